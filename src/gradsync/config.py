@@ -1,0 +1,295 @@
+"""Typed structured configs (the schema every composed config is checked against) and the
+semantic checks Hydra's types cannot express.
+
+Each option of a config group has its own dataclass, stored in Hydra's ConfigStore under
+`schema/<group>/<option>`; the YAML files in `conf/<group>/` extend their schema through their
+defaults list, so a wrong type or an unknown key fails at composition, before any process starts.
+Only this module and `train.py` import Hydra or OmegaConf.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """Bad configuration: reported as one line naming the key and what is allowed."""
+
+
+# --- model -----------------------------------------------------------------------------------
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
+    activation: str = "relu"  # relu | gelu | tanh
+
+
+# --- optimizer (instantiated with _partial_: the worker passes the parameters) ----------------
+@dataclass
+class SGDConfig:
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig:
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+# --- accumulation schedule ----------------------------------------------------------------------
+@dataclass
+class ConstantScheduleConfig:
+    name: str = "constant"
+    accum_steps: int = 1
+
+
+@dataclass
+class EpochwiseScheduleConfig:
+    """Like Lightning's GradientAccumulationScheduler: {first_epoch: accum_steps}."""
+
+    name: str = "epochwise"
+    accum_steps_by_epoch: dict[int, int] = field(default_factory=lambda: {0: 1})
+
+
+@dataclass
+class GlobalBatchScheduleConfig:
+    """N = global_batch_size / (world_size * micro_batch_size); must divide exactly."""
+
+    name: str = "global_batch"
+    global_batch_size: int = 256
+
+
+# --- sync policy ------------------------------------------------------------------------------
+@dataclass
+class SyncConfig:
+    name: str = "accumulate"
+
+
+# --- precision --------------------------------------------------------------------------------
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | bf16 | fp16
+    init_scale: float = 65536.0  # fp16 GradScaler only
+    growth_interval: int = 2000
+
+
+# --- data -------------------------------------------------------------------------------------
+@dataclass
+class SyntheticDataConfig:
+    """Deterministic teacher-student regression made from the run's seed."""
+
+    name: str = "synthetic"
+    micro_batch_size: int = 32
+    num_samples: int = 2048
+    eval_samples: int = 512
+    in_dim: int = 32
+    out_dim: int = 8
+    noise: float = 0.05
+
+
+@dataclass
+class DigitsDataConfig:
+    """scikit-learn's bundled 8x8 handwritten digits (no download), fixed held-out split."""
+
+    name: str = "digits"
+    micro_batch_size: int = 16
+    test_fraction: float = 0.2
+    split_seed: int = 0
+
+
+# --- trainer ----------------------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    devices: int = 2
+    max_steps: int = -1  # optimizer steps; -1: no limit (max_epochs decides)
+    max_epochs: int = 30
+    log_every: int = 10  # optimizer steps between TensorBoard/console logs
+    eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
+    backend: str = "auto"  # auto | gloo | nccl
+    threads_per_worker: int = 0  # 0: cpu_count // devices
+    progress_bar: bool = True
+    clip_grad_norm: float = 0.0  # 0: no clipping
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+    timeout_s: int = 300  # process-group timeout
+
+
+# --- LR scheduler -----------------------------------------------------------------------------
+@dataclass
+class NoLRSchedulerConfig:
+    name: str = "none"
+
+
+@dataclass
+class CosineLRSchedulerConfig:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+# --- top level --------------------------------------------------------------------------------
+@dataclass
+class Config:
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    schedule: Any = MISSING
+    sync: Any = MISSING
+    precision: Any = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lr_scheduler: Any = MISSING
+    seed: int = 0
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"mlp": MLPConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "schedule": {
+        "constant": ConstantScheduleConfig,
+        "epochwise": EpochwiseScheduleConfig,
+        "global_batch": GlobalBatchScheduleConfig,
+    },
+    "sync": {"always": SyncConfig, "accumulate": SyncConfig},
+    "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
+    "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig},
+    "trainer": {"default": TrainerConfig},
+    "lr_scheduler": {"none": NoLRSchedulerConfig, "cosine": CosineLRSchedulerConfig},
+}
+
+SCHEMAS_BY_NAME: dict[str, type] = {
+    cls.__name__: cls for options in GROUP_SCHEMAS.values() for cls in options.values()
+} | {"Config": Config}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="schema_config", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for option, cls in options.items():
+            cs.store(group=f"schema/{group}", name=option, node=cls)
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """Resolve interpolations and drop OmegaConf types: workers get plain, picklable data."""
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert isinstance(plain, dict)
+    return plain  # type: ignore[return-value]
+
+
+def schema_keys(type_name: str) -> list[str]:
+    cls = SCHEMAS_BY_NAME.get(type_name)
+    return [f.name for f in fields(cls)] if cls else []
+
+
+# --- semantic checks (run in the Hydra job, before any worker starts) -------------------------
+def _require(ok: bool, key: str, allowed: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={got!r} is not allowed: {allowed}")
+
+
+def resolve_world_size(cfg: dict[str, Any]) -> int:
+    """torchrun's WORLD_SIZE when running under it, else trainer.devices."""
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else int(cfg["trainer"]["devices"])
+
+
+def check_known_keys(cfg: dict[str, Any]) -> None:
+    """Keys added with `+key=value` bypass the schema's struct mode: refuse them here."""
+    allowed_top = {f.name for f in fields(Config)}
+    for key in cfg:
+        if key not in allowed_top:
+            raise ConfigError(f"{key}: unknown key; allowed keys: {', '.join(sorted(allowed_top))}")
+    for group, options in GROUP_SCHEMAS.items():
+        allowed = {f.name for cls in options.values() for f in fields(cls)}
+        for key in cfg[group]:
+            if key not in allowed:
+                raise ConfigError(f"{group}.{key}: unknown key; allowed keys: "
+                                  f"{', '.join(sorted(allowed))}")
+
+
+def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
+    """Checks across keys that types alone cannot express. Raises ConfigError."""
+    check_known_keys(cfg)
+    tr = cfg["trainer"]
+    _require(tr["devices"] >= 1, "trainer.devices", "an integer >= 1", tr["devices"])
+    _require(
+        tr["max_steps"] == -1 or tr["max_steps"] >= 1,
+        "trainer.max_steps", "-1 (no limit) or an integer >= 1", tr["max_steps"],
+    )
+    _require(tr["max_epochs"] >= 1, "trainer.max_epochs", "an integer >= 1", tr["max_epochs"])
+    _require(tr["log_every"] >= 1, "trainer.log_every", "an integer >= 1", tr["log_every"])
+    _require(tr["eval_every"] >= 0, "trainer.eval_every", "an integer >= 0", tr["eval_every"])
+    _require(tr["clip_grad_norm"] >= 0, "trainer.clip_grad_norm", "a number >= 0 (0: off)",
+             tr["clip_grad_norm"])
+    _require(tr["threads_per_worker"] >= 0, "trainer.threads_per_worker",
+             "an integer >= 0 (0: automatic)", tr["threads_per_worker"])
+    _require(tr["timeout_s"] >= 1, "trainer.timeout_s", "an integer >= 1", tr["timeout_s"])
+    backends = ("auto", "gloo", "nccl")
+    _require(tr["backend"] in backends, "trainer.backend", f"one of {', '.join(backends)}",
+             tr["backend"])
+    if tr["backend"] == "nccl" and not cuda_available:
+        raise ConfigError("trainer.backend='nccl' needs CUDA, which this machine lacks: "
+                          "use auto or gloo")
+
+    micro = cfg["data"]["micro_batch_size"]
+    _require(micro >= 1, "data.micro_batch_size", "an integer >= 1", micro)
+    if cfg["data"]["name"] == "synthetic":
+        n = cfg["data"]["num_samples"]
+        _require(n >= 1, "data.num_samples", "an integer >= 1", n)
+
+    world = resolve_world_size(cfg)
+    sched = cfg["schedule"]
+    if sched["name"] == "constant":
+        _require(sched["accum_steps"] >= 1, "schedule.accum_steps", "an integer >= 1",
+                 sched["accum_steps"])
+    elif sched["name"] == "epochwise":
+        by_epoch = sched["accum_steps_by_epoch"]
+        _require(0 in by_epoch, "schedule.accum_steps_by_epoch",
+                 "a mapping {first_epoch: accum_steps} that starts at epoch 0", by_epoch)
+        _require(all(e >= 0 and n >= 1 for e, n in by_epoch.items()),
+                 "schedule.accum_steps_by_epoch", "epochs >= 0 mapped to accum_steps >= 1",
+                 by_epoch)
+    elif sched["name"] == "global_batch":
+        gb = sched["global_batch_size"]
+        per_window = world * micro
+        _require(gb >= 1 and gb % per_window == 0, "schedule.global_batch_size",
+                 f"a positive multiple of world_size x data.micro_batch_size = {world} x {micro}"
+                 f" = {per_window}", gb)
+
+    act = cfg["model"].get("activation")
+    if act is not None:
+        _require(act in ("relu", "gelu", "tanh"), "model.activation", "one of relu, gelu, tanh",
+                 act)
+    if "hidden_sizes" in cfg["model"]:
+        _require(all(h >= 1 for h in cfg["model"]["hidden_sizes"]), "model.hidden_sizes",
+                 "a list of integers >= 1", cfg["model"]["hidden_sizes"])
+
+    prec = cfg["precision"]["name"]
+    _require(prec in ("fp32", "bf16", "fp16"), "precision.name", "one of fp32, bf16, fp16", prec)
+    lrs = cfg["lr_scheduler"]
+    if lrs["name"] == "cosine":
+        _require(lrs["warmup_steps"] >= 0, "lr_scheduler.warmup_steps", "an integer >= 0",
+                 lrs["warmup_steps"])
+        _require(0.0 <= lrs["min_lr_ratio"] <= 1.0, "lr_scheduler.min_lr_ratio",
+                 "a number in [0, 1]", lrs["min_lr_ratio"])
+
+
+def build_optimizer(cfg: dict[str, Any], params):
+    """Hydra's instantiate on a plain dict with ``_partial_: true``: returns the optimizer."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg)(params)

@@ -1,0 +1,181 @@
+"""The training loop: micro-batches grouped into windows, one optimizer step per window.
+
+For every micro-batch the sync policy decides whether its forward+backward runs inside
+``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
+holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
+applies the gradient of the mean loss over every sample of the window on every rank, a short
+last window included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_, get_total_norm
+from torch.utils.data import DataLoader, DistributedSampler
+
+from gradsync.comm import CommCounts
+from gradsync.metrics import RunLog
+from gradsync.policies import SyncPolicy, sync_context
+from gradsync.precision import Precision
+from gradsync.schedules import Window, plan_epoch
+
+
+@dataclass
+class Parts:
+    """What the loop asks questions of; built by the worker from plain config."""
+
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: DataLoader
+    sampler: DistributedSampler
+    schedule: Any  # .accum_steps(epoch) -> int
+    policy: SyncPolicy
+    precision: Precision
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> sum
+    evaluate: Callable[[], dict[str, float]]
+    counts: CommCounts
+    device: torch.device
+    world_size: int
+    micro_batch_size: int
+    max_epochs: int
+    max_steps: int  # -1: no limit
+    total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
+    log_every: int
+    eval_every: int  # 0: only at the end
+    clip_grad_norm: float  # 0: off
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    samples_seen: int = 0  # over all ranks
+    train_s: float = 0.0  # loop time without evaluation
+    last_loss: float = float("nan")
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    def done(self, p: Parts) -> bool:
+        return self.epoch >= p.max_epochs or (p.max_steps >= 0 and self.step >= p.max_steps)
+
+
+def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
+               policy: SyncPolicy, precision: Precision, loss_fn: Callable,
+               device: torch.device) -> torch.Tensor:
+    """Forward+backward every micro-batch of one window; returns this rank's mean loss."""
+    total = torch.zeros((), device=device)
+    for i in range(window.size):
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with sync_context(ddp, policy.should_sync(i, window.size)):
+            with precision.autocast():
+                loss = loss_fn(ddp(x), y)
+            precision.backward(loss / window.local_samples)
+        total += loss.detach()
+    return total / window.local_samples
+
+
+def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
+    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
+    p.precision.unscale(p.optimizer)
+    norm = None
+    if p.clip_grad_norm > 0:
+        norm = float(clip_grad_norm_(p.ddp.parameters(), p.clip_grad_norm))
+    elif want_norm:
+        norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
+    stepped = p.precision.step(p.optimizer)
+    p.optimizer.zero_grad(set_to_none=True)
+    if stepped:
+        p.lr_scheduler.step()
+    return stepped, norm
+
+
+class StepLog:
+    """Per-step rows kept until the next log point, then their losses are averaged over ranks
+    in one all-reduce (not one per step) and written."""
+
+    def __init__(self, p: Parts, log: RunLog):
+        self.p, self.log = p, log
+        self.rows: list[dict[str, Any]] = []
+        self.losses: list[torch.Tensor] = []
+        self.mark_t, self.mark_samples = 0.0, 0
+
+    def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
+        self.rows.append(row)
+        self.losses.append(local_loss)
+
+    def flush(self, state: Progress, grad_norm: float | None) -> None:
+        if not self.rows:
+            return
+        losses = torch.stack(self.losses).double()
+        if self.p.world_size > 1:
+            dist.all_reduce(losses)
+            losses /= self.p.world_size
+        for row, loss in zip(self.rows, losses.tolist(), strict=True):
+            row["loss"] = loss
+        state.last_loss = self.rows[-1]["loss"]
+        elapsed = state.train_s - self.mark_t
+        sps = (state.samples_seen - self.mark_samples) / elapsed if elapsed > 0 else 0.0
+        self.mark_t, self.mark_samples = state.train_s, state.samples_seen
+        last = self.rows[-1]
+        last["samples_per_s"] = sps
+        if grad_norm is not None:
+            last["grad_norm"] = grad_norm
+        self.log.steps(self.rows)
+        c = self.p.counts
+        scalars = {
+            "train/loss": last["loss"], "train/lr": last["lr"], "perf/samples_per_s": sps,
+            "train/accum_steps": last["accum_steps"], "comm/sync_backwards": c.sync_backwards,
+            "comm/allreduce_calls": c.allreduce_calls, "comm/allreduce_bytes": c.allreduce_bytes,
+        }
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = grad_norm
+        if self.p.precision.scaler is not None:
+            scalars["amp/scale"] = self.p.precision.scale
+        self.log.scalars(state.step, scalars)
+        self.rows, self.losses = [], []
+
+
+def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
+    state.last_eval = p.evaluate()
+    log.scalars(state.step, {f"eval/{k}": v for k, v in state.last_eval.items()})
+
+
+def train(p: Parts, state: Progress, log: RunLog) -> Progress:
+    steps = StepLog(p, log)
+    while not state.done(p):
+        epoch = state.epoch
+        p.sampler.set_epoch(epoch)
+        batches = iter(p.loader)
+        plan = plan_epoch(len(p.sampler), p.micro_batch_size, p.schedule.accum_steps(epoch))
+        for k, window in enumerate(plan):
+            t0 = time.perf_counter()
+            local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss_fn,
+                                    p.device)
+            lr = p.optimizer.param_groups[0]["lr"]
+            log_now = (state.step + 1) % p.log_every == 0
+            stepped, norm = optimizer_step(p, want_norm=log_now)
+            state.train_s += time.perf_counter() - t0
+            state.step += 1
+            state.samples_seen += window.local_samples * p.world_size
+            state.epoch = epoch + (k == len(plan) - 1)  # counts completed epochs
+            steps.add({"step": state.step, "epoch": epoch,
+                       "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
+                       "stepped": stepped}, local_loss)
+            if log_now:
+                steps.flush(state, norm)
+            if p.eval_every and state.step % p.eval_every == 0:
+                evaluate(p, state, log)
+            if state.done(p):
+                break
+    steps.flush(state, None)
+    if not (p.eval_every and state.step % p.eval_every == 0):
+        evaluate(p, state, log)
+    return state

@@ -1,0 +1,81 @@
+"""What a run records, written by rank 0 only: TensorBoard scalars under tb/, one JSON line per
+optimizer step in metrics.jsonl, and summary.json at the end. Other ranks get a RunLog that
+writes nothing, so the loop never asks which rank it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunLog:
+    """Rank 0's writer; ``RunLog(run_dir, active=False)`` on the other ranks."""
+
+    def __init__(self, run_dir: Path, active: bool, total_steps: int = 0,
+                 progress_bar: bool = False):
+        self.active = active
+        self.run_dir = run_dir
+        self.tb: Any = None
+        self.jsonl: Any = None
+        self.bar: Any = None
+        if not active:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
+
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+                            mininterval=0.5)
+
+    def steps(self, rows: list[dict[str, Any]]) -> None:
+        """One row per optimizer step (written in batches at log points)."""
+        if not self.active:
+            return
+        for row in rows:
+            self.jsonl.write(json.dumps(row) + "\n")
+        if self.bar is not None and rows:
+            self.bar.update(len(rows))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self.active:
+            return
+        for key, value in values.items():
+            self.tb.add_scalar(key, value, step)
+        if self.bar is not None:
+            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in values.items()
+                     if k in ("train/loss", "perf/samples_per_s", "eval/accuracy", "eval/loss")}
+            self.bar.set_postfix(shown, refresh=False)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        write_json_atomic(self.run_dir / "summary.json", summary)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.tb.flush()
+        self.tb.close()
+        self.jsonl.close()

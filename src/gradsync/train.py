@@ -1,0 +1,126 @@
+"""gradsync-train: compose the config with Hydra, validate it, and launch the workers.
+
+The only module besides config.py that knows Hydra. Bad input ends in one line on stderr and
+exit code 2, before any worker starts; set HYDRA_FULL_ERROR=1 for the full traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from gradsync.config import ConfigError, register_configs, schema_keys, to_plain, validate
+from gradsync.launch import WorkerFailed, launch
+from gradsync.metrics import write_json_atomic
+
+register_configs()
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def hydra_main(cfg: DictConfig) -> dict:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        plain = to_plain(cfg)
+        validate(plain, torch.cuda.is_available())
+    except ConfigError as e:
+        if hc.mode == RunMode.RUN:
+            _remove_if_only_hydra(run_dir)
+        return _fail(hc.mode, run_dir, "config error", str(e), 2)
+    started = time.perf_counter()
+    try:
+        launch(plain, run_dir)
+    except WorkerFailed as e:
+        return _fail(hc.mode, run_dir, "training failed", str(e), 1)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
+    write_json_atomic(run_dir / "summary.json", summary)
+    _report(run_dir, summary)
+    return summary
+
+
+def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int) -> dict:
+    """One line and a non-zero exit for a single run; in a sweep, a failed row (and the sweep
+    goes on)."""
+    if run_dir.is_dir():
+        write_json_atomic(run_dir / "summary.json",
+                          {"status": "failed", "error": f"{kind}: {message}"})
+    print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
+    if mode == RunMode.RUN:
+        sys.exit(code)
+    raise JobFailed(f"{kind}: {message}")
+
+
+class JobFailed(RuntimeError):
+    """A multirun job that failed; already reported."""
+
+
+def _report(run_dir: Path, s: dict) -> None:
+    evals = " ".join(f"eval_{k}={v:.4f}" for k, v in s["eval"].items())
+    print(f"\ngradsync: outputs in {run_dir}\n"
+          f"  steps={s['optimizer_steps']} samples={s['samples_seen']} "
+          f"final_train_loss={s['final_train_loss']:.4f} {evals} "
+          f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
+          f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+
+
+def _remove_if_only_hydra(run_dir: Path) -> None:
+    """A run refused for its config leaves no half-made dir behind (only Hydra's files)."""
+    hydra_files = run_dir.is_dir() and all(
+        p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+    if hydra_files:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors as one line naming the key and what is allowed."""
+    cause = exc.__cause__
+    text = f"{exc}\n{cause}" if cause else str(exc)
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        return f"{group}={option}: no such option; choose one of: {', '.join(options)}"
+    full_key = re.search(r"full_key: (\S+)", text)
+    if full_key and re.search(r"Key '[^']+' (is )?not in", text):
+        obj = re.search(r"object_type=(\w+)", text)
+        keys = schema_keys(obj.group(1)) if obj else []
+        return f"{full_key.group(1)}: unknown key; allowed keys: {', '.join(keys)}"
+    if full_key:
+        return f"{full_key.group(1)}: {str(cause or exc).strip().splitlines()[0]}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def main() -> None:
+    # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
+    # we then print one line ourselves, or the traceback if the user asked for it.
+    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except JobFailed:
+        sys.exit(1)
+    except Exception as e:
+        if user_wants_traceback:
+            raise
+        print(f"gradsync: config error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""One rank: logging, process group, seed, data, model, DDP, optimizer, loop, outputs.
+
+A worker holds no Hydra state: it gets the resolved config as plain data and the run dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gradsync import checkpoint
+from gradsync.comm import install_counting_hook
+from gradsync.config import build_optimizer
+from gradsync.data import build_data, evaluate, loss_sum, train_loader
+from gradsync.loop import Parts, Progress, train
+from gradsync.lr_schedulers import build_lr_scheduler
+from gradsync.metrics import RunLog, peak_rss_mb
+from gradsync.models import build_model
+from gradsync.policies import build_policy
+from gradsync.precision import Precision
+from gradsync.schedules import build_schedule, total_optimizer_steps
+
+log = logging.getLogger("gradsync")
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Workers inherit no Hydra logging: every rank logs to logs/rank<r>.log, rank 0 also to
+    stderr."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s")
+    log.handlers.clear()
+    to_file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    to_file.setFormatter(fmt)
+    log.addHandler(to_file)
+    if rank == 0:
+        to_console = logging.StreamHandler(sys.stderr)
+        to_console.setFormatter(fmt)
+        to_console.addFilter(lambda record: not record.exc_info)  # tracebacks: file only
+        log.addHandler(to_console)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def pick_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial parameters (DDP also broadcasts rank 0's)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.device) -> Parts:
+    """Everything the loop needs, from plain config, on an initialised process group."""
+    tr, dcfg, seed = cfg["trainer"], cfg["data"], cfg["seed"]
+    seed_everything(seed)
+    data = build_data(dcfg, seed)
+    micro = dcfg["micro_batch_size"]
+    loader, sampler = train_loader(data.train, micro, rank, world_size, seed)
+    model = build_model(cfg["model"], data.in_dim, data.out_dim).to(device)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=tr["gradient_as_bucket_view"],
+        bucket_cap_mb=tr["bucket_cap_mb"],
+    )
+    policy = build_policy(cfg["sync"])
+    counts = install_counting_hook(ddp)
+    optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
+    schedule = build_schedule(cfg["schedule"], world_size, micro)
+    total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
+    pcfg = cfg["precision"]
+    return Parts(
+        ddp=ddp,
+        optimizer=optimizer,
+        lr_scheduler=build_lr_scheduler(cfg["lr_scheduler"], optimizer, total),
+        loader=loader,
+        sampler=sampler,
+        schedule=schedule,
+        policy=policy,
+        precision=Precision(pcfg["name"], device.type, pcfg["init_scale"],
+                            pcfg["growth_interval"]),
+        loss_fn=lambda out, y: loss_sum(data.task, out, y),
+        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device),
+        counts=counts,
+        device=device,
+        world_size=world_size,
+        micro_batch_size=micro,
+        max_epochs=tr["max_epochs"],
+        max_steps=tr["max_steps"],
+        total_steps=total,
+        log_every=tr["log_every"],
+        eval_every=tr["eval_every"],
+        clip_grad_norm=tr["clip_grad_norm"],
+    )
+
+
+def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Train on the already initialised default process group; rank 0 writes the outputs.
+    Returns the summary (on every rank)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    p = build_parts(cfg, rank, world_size, device)
+    run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
+                     progress_bar=cfg["trainer"]["progress_bar"])
+    try:
+        state = train(p, Progress(), run_log)
+        summary = summarize(cfg, p, state)
+        run_log.summary(summary)
+        if rank == 0:
+            checkpoint.save_atomic(
+                {"model": p.ddp.module.state_dict(), "optimizer": p.optimizer.state_dict(),
+                 "lr_scheduler": p.lr_scheduler.state_dict(), "step": state.step,
+                 "epoch": state.epoch, "config": cfg},
+                run_dir / "checkpoints" / "last.pt")
+    finally:
+        run_log.close()
+    return summary
+
+
+def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
+    """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
+    c = p.counts
+    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb()]
+    gathered: list[Any] = [None] * p.world_size
+    dist.all_gather_object(gathered, mine)
+    accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
+    return {
+        "status": "completed",
+        "optimizer_steps": state.step,
+        "epochs_completed": state.epoch,
+        "samples_seen": state.samples_seen,
+        "final_train_loss": state.last_loss,
+        "eval": state.last_eval,
+        "samples_per_s": state.samples_seen / state.train_s if state.train_s > 0 else 0.0,
+        "train_s": state.train_s,
+        "sync_backwards": [g[0] for g in gathered],
+        "allreduce_calls": [g[1] for g in gathered],
+        "allreduce_bytes": [g[2] for g in gathered],
+        "peak_rss_mb": max(g[3] for g in gathered),
+        "world_size": p.world_size,
+        "accum_steps": accum[0] if len(accum) == 1 else accum,
+        "micro_batch_size": p.micro_batch_size,
+        "sync_policy": p.policy.name,
+        "precision": p.precision.name,
+        "backend": dist.get_backend(),
+        "seed": cfg["seed"],
+    }
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
+                       store_port: int | None) -> None:
+    """Join the job's group: through the launcher's TCPStore (spawned workers), or through
+    torchrun's env:// variables (store_port None)."""
+    timeout = timedelta(seconds=timeout_s)
+    if store_port is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
+                store_port: int | None) -> None:
+    """Entry point of one rank (spawned by the launcher, or the torchrun process itself)."""
+    run_path = Path(run_dir)
+    setup_logging(run_path, rank)
+    tr = cfg["trainer"]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    threads = tr["threads_per_worker"] or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    backend = pick_backend(tr["backend"])
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
+    log.info("rank %d/%d up: backend=%s threads=%d", rank, world_size, backend, threads)
+    try:
+        run_training(cfg, run_path)
+    except Exception:
+        log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
+        raise
+    finally:
+        dist.destroy_process_group()

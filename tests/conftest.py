@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))  # dist_pool / dist_cases for spawned ranks
+
+from dist_pool import DistPool  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Pool:
+    """Session-wide pool, rebuilt after a failed task (its ranks may be stuck)."""
+
+    def __init__(self):
+        self.pool: DistPool | None = None
+
+    def run(self, fn, *args, **kw):
+        if self.pool is None:
+            self.pool = DistPool(2)
+        try:
+            return self.pool.run(fn, *args, **kw)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self):
+        if self.pool is not None:
+            for proc in self.pool.procs:
+                proc.kill()
+            self.pool = None
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    p = _Pool()
+    yield p
+    if p.pool is not None:
+        p.pool.close()
+
+
+@pytest.fixture(scope="session")
+def single_process_group():
+    """A world-size-1 gloo group in the test process, for single-process references."""
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                                timeout=timedelta(seconds=60))
+    yield
+    # left for interpreter exit: other session fixtures may still use it
+
+
+@pytest.fixture
+def cli_env():
+    env = dict(os.environ)
+    env.pop("HYDRA_FULL_ERROR", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def pytest_configure(config):
+    torch.set_num_threads(1)

@@ -1,0 +1,91 @@
+"""Fast unit tests: window plans, schedules, policies, LR schedule, loss normalisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsync.data import loss_sum
+from gradsync.lr_schedulers import WarmupCosine, build_lr_scheduler
+from gradsync.policies import AccumulateSync, AlwaysSync
+from gradsync.schedules import (
+    EpochwiseSchedule,
+    Window,
+    build_schedule,
+    plan_epoch,
+    total_optimizer_steps,
+)
+
+
+def test_plan_epoch_counts_short_last_micro_batch_and_partial_window():
+    # 100 samples per rank, micro 8 -> 13 micro-batches (12 x 8 + 4), N=4 -> 4 windows
+    plan = plan_epoch(100, 8, 4)
+    assert plan == [Window(0, 4, 32), Window(4, 8, 32), Window(8, 12, 32), Window(12, 13, 4)]
+    assert sum(w.local_samples for w in plan) == 100
+    assert plan_epoch(96, 8, 4)[-1] == Window(8, 12, 32)
+    assert plan_epoch(5, 8, 3) == [Window(0, 1, 5)]
+
+
+@pytest.mark.parametrize("samples,micro,n", [(1, 1, 1), (7, 2, 3), (64, 8, 8), (65, 8, 8),
+                                             (1000, 7, 5)])
+def test_plan_epoch_covers_every_sample_once(samples, micro, n):
+    plan = plan_epoch(samples, micro, n)
+    assert sum(w.local_samples for w in plan) == samples
+    assert all(0 < w.size <= n for w in plan)
+    assert [w.start for w in plan[1:]] == [w.stop for w in plan[:-1]]
+
+
+def test_epochwise_schedule_holds_each_entry_until_the_next():
+    s = EpochwiseSchedule({0: 1, 2: 4, 5: 8})
+    assert [s.accum_steps(e) for e in range(7)] == [1, 1, 4, 4, 4, 8, 8]
+    # keys arrive as strings or ints from YAML/CLI
+    assert EpochwiseSchedule({"3": 2, "0": 1}).accum_steps(3) == 2
+
+
+def test_global_batch_and_total_steps():
+    s = build_schedule({"name": "global_batch", "global_batch_size": 64}, 2, 8)
+    assert s.accum_steps(0) == 4
+    # 100 local samples, micro 8, N=4 -> 4 steps/epoch; 3 epochs -> 12; capped by max_steps
+    assert total_optimizer_steps(s, 3, -1, 100, 8) == 12
+    assert total_optimizer_steps(s, 3, 5, 100, 8) == 5
+    e = EpochwiseSchedule({0: 1, 1: 4})
+    assert total_optimizer_steps(e, 2, -1, 100, 8) == 13 + 4
+
+
+def test_policies_decide_per_micro_batch():
+    acc, always = AccumulateSync(), AlwaysSync()
+    assert [acc.should_sync(i, 4) for i in range(4)] == [False, False, False, True]
+    assert [acc.should_sync(i, 1) for i in range(1)] == [True]  # a window of one syncs
+    assert [always.should_sync(i, 4) for i in range(4)] == [True] * 4
+
+
+def test_warmup_cosine_values():
+    f = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(14) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
+
+
+def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = build_lr_scheduler({"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.0},
+                               opt, 10)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    torch.save(sched.state_dict(), tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert state["last_epoch"] == 3 and state["lr_lambdas"][0]["total_steps"] == 10
+
+
+def test_loss_sum_is_a_sum_of_per_sample_means():
+    out = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
+    y = torch.zeros(2, 2)
+    assert loss_sum("regression", out, y).item() == pytest.approx((1 + 9) / 2 + 0)
+    logits = torch.zeros(3, 4)
+    assert loss_sum("classification", logits, torch.tensor([0, 1, 2])).item() == \
+        pytest.approx(3 * math.log(4))
