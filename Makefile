@@ -7,7 +7,7 @@ ARGS   ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep clean distclean
+.PHONY: help install train test lint sweep bench clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -33,6 +33,14 @@ lint: install ## ruff and mypy
 
 sweep: install ## multirun over accumulation steps
 	$(BIN)/gradsync-train -m schedule.accum_steps=1,2,4,8 $(ARGS)
+
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP) requirements-bench.lock
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-bench.lock
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Accelerate); BENCH_ARGS=--rounds 1
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache
