@@ -1,0 +1,119 @@
+"""Reproducible runs and exact resume on the pool's 2 real gloo ranks: the same config twice gives
+the same bits; continuing from any checkpoint (mid-epoch, before a partial window, at an epoch
+boundary) ends where the uninterrupted run ends, bit for bit; a non-finite loss stops the run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import dist_cases
+from configs import losses, plain_cfg
+from gradsync import checkpoint
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+# 200 samples, 2 ranks, micro 8: 13 micro-batches per rank and epoch (the last one 4 samples),
+# accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window.
+EXACT = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
+         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+         "model.activation=tanh", "optimizer=adamw", "optimizer.lr=0.01",
+         "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=4",
+         "trainer.log_every=3", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50",
+         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=7"]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pool2, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(EXACT), str(run_dir))
+    return run_dir, r0
+
+
+def test_the_same_config_twice_gives_the_same_bits(pool2, uninterrupted, tmp_path):
+    _, first = uninterrupted
+    second, r1 = pool2.run(dist_cases.train_run_rows, plain_cfg(EXACT), str(tmp_path))
+    assert first["summary"]["optimizer_steps"] == STEPS
+    assert losses(second["rows"]) == losses(first["rows"])
+    assert [r["step"] for r in first["rows"]] == list(range(1, STEPS + 1))
+    for name, value in first["params"].items():
+        assert torch.equal(second["params"][name], value), name
+    assert second["deterministic"] and r1["deterministic"]  # trainer.deterministic: on for CPU
+    # a different seed really changes the run (the comparison above has teeth)
+    other, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, "seed=8"]),
+                         str(tmp_path / "other"))
+    assert losses(other["rows"]) != losses(first["rows"])
+
+
+@pytest.mark.parametrize("step", [4, 6, 10], ids=["before-partial-window", "mid-epoch",
+                                                  "epoch-boundary"])
+def test_resuming_from_a_checkpoint_ends_bitwise_where_the_uninterrupted_run_ends(
+        pool2, uninterrupted, tmp_path, step):
+    ref_dir, ref = uninterrupted
+    ckpt = checkpoint.step_path(ref_dir / "checkpoints", step)
+    state = checkpoint.load(ckpt)
+    assert state["progress"]["step"] == step and len(state["rng"]) == 2
+    # the two ranks' RNG streams differ (seeded from seed and rank)
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+    assert (state["progress"]["epoch"], state["progress"]["epoch_step"]) == divmod(step, 5)
+
+    # the resumed run has its own dir: it only holds the rows from the checkpoint on
+    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, f"resume={ckpt}"]),
+                       str(tmp_path))
+    assert out["summary"]["resumed_from"] == str(ckpt)
+    assert out["summary"]["optimizer_steps"] == STEPS
+    assert out["summary"]["samples_seen"] == ref["summary"]["samples_seen"]
+    assert losses(out["rows"]) == losses(ref["rows"])[step:]
+    assert out["summary"]["final_train_loss"] == ref["summary"]["final_train_loss"]
+    assert out["summary"]["eval"] == ref["summary"]["eval"]
+    for name, value in ref["params"].items():
+        assert torch.equal(out["params"][name], value), name
+
+
+def test_resume_auto_in_the_run_dir_truncates_the_rows_after_the_checkpoint(
+        pool2, uninterrupted, tmp_path):
+    """A run dir whose newest checkpoint is older than its last logged rows (killed between
+    the two): resume=auto drops the rows after the checkpoint and logs them again, once."""
+    ref_dir, ref = uninterrupted
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("step_00000012.pt", "step_00000012.json"):
+        (tmp_path / "checkpoints" / name).write_bytes((ref_dir / "checkpoints" / name)
+                                                      .read_bytes())
+    lines = (ref_dir / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:15]) + "\n" + lines[15][:20])
+    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, "resume=auto"]),
+                       str(tmp_path))
+    assert losses(out["rows"]) == losses(ref["rows"])
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    assert kept[0] == "step_00000012.pt" and kept[-1] == f"step_{STEPS:08d}.pt"
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == STEPS
+
+
+def test_a_non_finite_fp32_loss_stops_the_run_naming_the_step(pool2, tmp_path):
+    """SGD with a huge learning rate: the loss overflows within a few steps; both ranks stop
+    with the same error, and only checkpoints from before it remain."""
+    cfg = plain_cfg([*EXACT, "optimizer=sgd", "optimizer.lr=1e4", "optimizer.momentum=0.9",
+                     "trainer.log_every=1", "trainer.checkpoint_every=1"])
+    errors = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "FloatingPointError")
+    assert errors[0] == errors[1]
+    assert "non-finite training loss" in errors[0] and "(fp32)" in errors[0]
+    bad_step = int(errors[0].split("at optimizer step ")[1].split()[0])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, bad_step + 1))
+    assert all(math.isfinite(r["loss"]) for r in rows[:-1]) and not math.isfinite(
+        rows[-1]["loss"])
+    kept = checkpoint.complete(tmp_path / "checkpoints")
+    assert kept and checkpoint.load(kept[0])["step"] == bad_step - 1
+    for path in kept:
+        assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values())
+
+
+def test_ranks_agree_to_stop_one_step_after_a_flag_without_blocking(pool2):
+    # rank 1 alone gets the signal before poll 3: both ranks stop at poll 4
+    assert pool2.run(dist_cases.agree_on_stop, 10, 1, 3) == [4, 4]
+    assert pool2.run(dist_cases.agree_on_stop, 10, 0, 0) == [1, 1]
+    assert pool2.run(dist_cases.agree_on_stop, 5, 0, 99) == [-1, -1]
