@@ -21,6 +21,7 @@ from gradsync.checkpoint import ResumeError, resolve_resume
 from gradsync.config import ConfigError, validate
 from gradsync.data import epoch_batches, train_loader
 from gradsync.faults import StopAgreement, StopFlag
+from gradsync.loop import require_finite_parameters
 from gradsync.metrics import keep_rows_through
 from gradsync.repro import config_hash, derive_seed, git_state, write_run_info
 from gradsync.trainstate import rng_state, set_rng_state
@@ -199,6 +200,15 @@ def test_stop_agreement_with_one_process_stops_after_the_current_step():
     assert agreement.poll() == 0
     flag.signum = 15
     assert agreement.poll() == 15 and agreement.agreed == 15
+
+
+def test_a_diverged_model_is_never_checkpointed():
+    model = torch.nn.Linear(3, 2)
+    require_finite_parameters(model, 7)  # type: ignore[arg-type]
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite parameters after optimizer step 7"):
+        require_finite_parameters(model, 7)  # type: ignore[arg-type]
 
 
 def test_run_info_reads_the_git_state_when_called_and_keeps_earlier_starts(tmp_path):

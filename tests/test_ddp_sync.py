@@ -58,7 +58,7 @@ def synthetic_cfg(devices: int, micro: int, accum: int, sync: str = "accumulate"
     with micro 8 on 2 ranks the last micro-batch of an epoch is short (4 samples)."""
     return {
         "seed": 3,
-        "model": {"name": "mlp", "hidden_sizes": [16], "activation": "tanh"},
+        "model": {"name": "mlp", "hidden_sizes": [16], "activation": "tanh", "dropout": 0.0},
         "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.05,
                       "momentum": 0.9, "weight_decay": 0.0, "nesterov": False},
         "schedule": {"name": "constant", "accum_steps": accum},

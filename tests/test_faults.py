@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 # steps, so that a signal sent while it trains lands well before its end.
 ARGS = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
-        "model.activation=tanh", "optimizer=adamw", "optimizer.lr=0.01",
+        "model.activation=tanh", "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01",
         "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=40",
-        "trainer.log_every=1", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3",
+        "trainer.log_every=4", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3",
         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=11"]
 STEPS = 200
 
@@ -173,8 +173,9 @@ def test_sigterm_ctrl_c_and_kill_9_then_resume_auto_ends_bitwise_like_an_uninter
 def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env, how):
     run_dir = tmp_path / "run"
     job = Job(run_dir, *(["trainer.fail_at_step=5"] if how == "raises" else []), env=cli_env)
-    job.wait_for_step(5)
-    if how == "killed":  # rank 0 dies while rank 1 goes on into its next collective
+    job.wait_for_step(4)
+    if how == "killed":  # rank 0 dies while rank 1 hangs (stopped): nothing will wake rank 1
+        os.kill(job.worker_pid(1), signal.SIGSTOP)
         os.kill(job.worker_pid(0), signal.SIGKILL)
     failed_at = time.monotonic()
     code, _, err = job.finish()

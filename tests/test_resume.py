@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window.
 EXACT = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
          "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
-         "model.activation=tanh", "optimizer=adamw", "optimizer.lr=0.01",
+         "model.activation=tanh", "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01",
          "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=4",
          "trainer.log_every=3", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50",
          "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=7"]

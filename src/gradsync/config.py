@@ -27,6 +27,7 @@ class MLPConfig:
     name: str = "mlp"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
     activation: str = "relu"  # relu | gelu | tanh
+    dropout: float = 0.0  # after each hidden activation
 
 
 # --- optimizer (instantiated with _partial_: the worker passes the parameters) ----------------
@@ -290,6 +291,9 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     if act is not None:
         _require(act in ("relu", "gelu", "tanh"), "model.activation", "one of relu, gelu, tanh",
                  act)
+    if "dropout" in cfg["model"]:
+        _require(0.0 <= cfg["model"]["dropout"] < 1.0, "model.dropout", "a number in [0, 1)",
+                 cfg["model"]["dropout"])
     if "hidden_sizes" in cfg["model"]:
         _require(all(h >= 1 for h in cfg["model"]["hidden_sizes"]), "model.hidden_sizes",
                  "a list of integers >= 1", cfg["model"]["hidden_sizes"])

@@ -4,8 +4,8 @@ holds on a free port (no fixed 29500, no port race), or, under torchrun, be one 
 The launcher then watches them. When one fails, the others get a few seconds to exit on their
 own (a peer that went away breaks their next collective) and are then killed: no rank is left
 waiting in a collective, and the job ends with the rank that failed first and its error. A
-SIGTERM or SIGINT it receives goes to every worker, which finish the optimizer step, checkpoint
-and exit together (see faults.py); a second one kills them.
+SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish the optimizer step,
+checkpoint and exit together (see faults.py); a second one kills them.
 """
 
 from __future__ import annotations
@@ -64,8 +64,14 @@ def launch(cfg: dict[str, Any], run_dir: Path) -> None:
     watch = Watch()
     previous = {sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
     try:
-        ctx = mp.start_processes(worker_main, args=(world, cfg, str(run_dir), store.port),
-                                 nprocs=world, start_method="spawn", join=False)
+        # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
+        # Ctrl-C while they import prints no tracebacks. The launcher forwards it as SIGTERM.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            ctx = mp.start_processes(worker_main, args=(world, cfg, str(run_dir), store.port),
+                                     nprocs=world, start_method="spawn", join=False)
+        finally:
+            signal.signal(signal.SIGINT, watch.on_signal)
         watch.supervise(ctx, store)
     finally:
         for sig, handler in previous.items():
@@ -86,7 +92,7 @@ class Watch:
             self.signum = signum
             print(f"gradsync: {signal_name(signum)}: finishing the optimizer step, then "
                   "checkpointing (send it again to abort)", file=sys.stderr, flush=True)
-            self._send(signum)
+            self._send(signal.SIGTERM)
         else:
             self.aborted = True
             self._kill_all()
@@ -108,7 +114,7 @@ class Watch:
     def supervise(self, ctx: Any, store: Any) -> None:
         self.procs = ctx.processes
         if self.signum:  # arrived while the workers were being started
-            self._send(self.signum)
+            self._send(signal.SIGTERM)
         failed_at = None
         while True:
             for rank, proc in enumerate(self.procs):
@@ -127,7 +133,8 @@ class Watch:
         failed = [r for r in self.exit_order if self.procs[r].exitcode]
         if self.aborted:
             raise Interrupted(self.signum, f"aborted by a second {signal_name(self.signum)}: "
-                              "workers killed without a final checkpoint")
+                              "workers killed; resume=auto continues from the newest intact "
+                              "checkpoint")
         if failed:
             rank, message = self._root_cause(failed, ctx.error_files, store)
             if self.signum:

@@ -173,6 +173,9 @@ def main() -> None:
         hydra_main()
     except JobFailed:
         sys.exit(1)
+    except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
+        print("gradsync: interrupted before training started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except Exception as e:
         if user_wants_traceback:
             raise

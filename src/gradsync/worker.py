@@ -114,9 +114,12 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     p = build_parts(cfg, rank, world_size, device)
-    control = dist.new_group(backend="gloo") if world_size > 1 else None  # CPU-side agreement
-    ckpt_dir = run_dir / checkpoint.CKPT_DIR
     tr = cfg["trainer"]
+    # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
+    # is 30 minutes: use the job's)
+    control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=tr["timeout_s"]))
+               if world_size > 1 else None)
+    ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
     def save(state: Progress) -> None:
         out = trainstate.capture(p, state, cfg, control)
@@ -141,6 +144,8 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                        checkpoint=str(newest[0]) if newest else None,
                        resumed_from=str(resumed_from) if resumed_from else None)
         run_log.summary(summary)
+        if p.stop.agreed:
+            log.info("stopped by %s after optimizer step %d", summary["stopped_by"], state.step)
         if rank == 0 and newest:
             checkpoint.link_last(newest[0])
     finally:
