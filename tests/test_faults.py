@@ -25,13 +25,15 @@ from gradsync import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-# 2 ranks, accumulation 3 with a partial last window, AdamW, warm-up + cosine; 40 epochs of 5
-# steps, so that a signal sent while it trains lands well before its end.
+# 2 ranks, accumulation 3 with a partial last window, dropout, AdamW, warm-up + cosine; 40 epochs
+# of 5 steps, so that a signal sent while it trains lands well before its end. log_every is
+# beyond the run: rows reach metrics.jsonl only through the flush before every checkpoint (and at
+# a stop), so a kill -9 that loses rows pending at a checkpoint shows.
 ARGS = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
         "model.activation=tanh", "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01",
         "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=40",
-        "trainer.log_every=4", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3",
+        "trainer.log_every=1000", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3",
         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=11"]
 STEPS = 200
 
@@ -47,6 +49,7 @@ class Job:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True)
         self.seen: dict[int, float] = {}  # pid -> create_time of every descendant
+        STARTED.append(self)
 
     def _record(self) -> None:
         try:
@@ -99,6 +102,20 @@ class Job:
     def worker_pid(self, rank: int) -> int:
         text = (self.run_dir / "logs" / f"rank{rank}.log").read_text()
         return int(text.split(f"rank {rank}/2 up: pid=")[-1].split()[0])
+
+
+STARTED: list[Job] = []
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A test that fails half-way must not leave its job (or a stopped worker) running."""
+    yield
+    while STARTED:
+        job = STARTED.pop()
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +189,8 @@ def test_sigterm_ctrl_c_and_kill_9_then_resume_auto_ends_bitwise_like_an_uninter
 @pytest.mark.parametrize("how", ["raises", "killed"])
 def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env, how):
     run_dir = tmp_path / "run"
-    job = Job(run_dir, *(["trainer.fail_at_step=5"] if how == "raises" else []), env=cli_env)
+    fail = ["trainer.fail_at_step=5"] if how == "raises" else []
+    job = Job(run_dir, "trainer.log_every=1", *fail, env=cli_env)
     job.wait_for_step(4)
     if how == "killed":  # rank 0 dies while rank 1 hangs (stopped): nothing will wake rank 1
         os.kill(job.worker_pid(1), signal.SIGSTOP)
