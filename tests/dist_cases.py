@@ -101,7 +101,7 @@ def agree_on_stop(polls: int, flag_rank: int, flag_at: int) -> int:
 
     flag = StopFlag()
     group = dist.new_group(backend="gloo")
-    agreement = StopAgreement(flag, group, dist.get_world_size())
+    agreement = StopAgreement(flag, group, dist.get_world_size(), interval_s=0.0)
     stopped_at = -1
     for i in range(polls):
         if dist.get_rank() == flag_rank and i == flag_at:
