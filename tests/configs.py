@@ -10,6 +10,17 @@ from gradsync.train import CONF_DIR
 
 register_configs()
 
+# 200 samples, 2 ranks, micro 8: 13 micro-batches per rank and epoch (the last one 4 samples),
+# accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window;
+# dropout (each rank draws its own masks), AdamW, linear warm-up then cosine.
+EXACT_RESUME = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64",
+                "data.in_dim=8", "data.out_dim=2", "data.micro_batch_size=8",
+                "model.hidden_sizes=[16]", "model.activation=tanh", "model.dropout=0.1",
+                "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
+                "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",
+                "trainer.progress_bar=false"]
+STEPS_PER_EPOCH = 5
+
 
 def plain_cfg(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

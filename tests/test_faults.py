@@ -20,23 +20,18 @@ import pytest
 import torch
 
 import dist_cases
-from configs import losses, plain_cfg
+from configs import EXACT_RESUME, STEPS_PER_EPOCH, losses, plain_cfg
 from gradsync import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-# 2 ranks, accumulation 3 with a partial last window, dropout, AdamW, warm-up + cosine; 60 epochs
-# of 5 steps, so that a signal sent while it trains lands well before its end (the ranks agree
-# on a stop within about 0.1 s, which may be tens of these tiny steps). log_every is
-# beyond the run: rows reach metrics.jsonl only through the flush before every checkpoint (and at
-# a stop), so a kill -9 that loses rows pending at a checkpoint shows.
-ARGS = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
-        "model.activation=tanh", "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01",
-        "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=60",
-        "trainer.log_every=1000", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3",
-        "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=11"]
-STEPS = 300
+# 60 epochs, so that a signal sent while it trains lands well before its end (the ranks agree on
+# a stop within about 0.1 s, which may be tens of these tiny steps). log_every is beyond the run:
+# rows reach metrics.jsonl only through the flush before every checkpoint (and at a stop), so a
+# kill -9 that loses rows pending at a checkpoint shows.
+ARGS = [*EXACT_RESUME, "trainer.max_epochs=60", "trainer.log_every=1000",
+        "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3", "seed=11"]
+STEPS = 60 * STEPS_PER_EPOCH
 
 
 class Job:

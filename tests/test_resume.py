@@ -11,20 +11,14 @@ import pytest
 import torch
 
 import dist_cases
-from configs import losses, plain_cfg
+from configs import EXACT_RESUME, STEPS_PER_EPOCH, losses, plain_cfg
 from gradsync import checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-# 200 samples, 2 ranks, micro 8: 13 micro-batches per rank and epoch (the last one 4 samples),
-# accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window.
-EXACT = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64", "data.in_dim=8",
-         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
-         "model.activation=tanh", "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01",
-         "schedule.accum_steps=3", "lr_scheduler.warmup_steps=2", "trainer.max_epochs=4",
-         "trainer.log_every=3", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50",
-         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "seed=7"]
-STEPS = 20
+EXACT = [*EXACT_RESUME, "trainer.max_epochs=4", "trainer.log_every=3",
+         "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]
+STEPS = 4 * STEPS_PER_EPOCH
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,8 @@ def test_resuming_from_a_checkpoint_ends_bitwise_where_the_uninterrupted_run_end
     assert state["progress"]["step"] == step and len(state["rng"]) == 2
     # the two ranks' RNG streams differ (seeded from seed and rank)
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
-    assert (state["progress"]["epoch"], state["progress"]["epoch_step"]) == divmod(step, 5)
+    progress = state["progress"]
+    assert (progress["epoch"], progress["epoch_step"]) == divmod(step, STEPS_PER_EPOCH)
 
     # the resumed run has its own dir: it only holds the rows from the checkpoint on
     out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, f"resume={ckpt}"]),
