@@ -100,6 +100,10 @@ BAD = [
     (["+bogus=1"], "bogus: unknown key; allowed keys: data, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["trainer.backend=mpi"], "trainer.backend='mpi' is not allowed: one of auto, gloo, nccl"),
+    (["sync=amp_aware", "sync.comm_dtype=int8"],
+     "sync.comm_dtype='int8' is not allowed: one of bf16, fp16, fp32"),
+    (["sync=amp_aware", "sync.comm_dtype=fp16"],
+     "sync.comm_dtype='fp16' needs precision=fp16, not 'fp32'"),
 ]
 
 

@@ -16,6 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gradsync.precision import DTYPES, autocast_runs
+
 
 class ConfigError(ValueError):
     """Bad configuration: reported as one line naming the key and what is allowed."""
@@ -79,12 +81,22 @@ class SyncConfig:
     name: str = "accumulate"
 
 
+@dataclass
+class AmpAwareSyncConfig:
+    name: str = "amp_aware"
+    comm_dtype: str = "bf16"  # bf16 | fp16 (needs precision=fp16) | fp32: the all-reduce's dtype
+    overflow_consensus: bool = True  # fp16 only: abort a window as soon as any rank overflows
+
+
 # --- precision --------------------------------------------------------------------------------
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | bf16 | fp16
-    init_scale: float = 65536.0  # fp16 GradScaler only
+    # the GradScaler's settings (fp16 only)
+    init_scale: float = 65536.0
     growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -163,7 +175,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "epochwise": EpochwiseScheduleConfig,
         "global_batch": GlobalBatchScheduleConfig,
     },
-    "sync": {"always": SyncConfig, "accumulate": SyncConfig},
+    "sync": {"always": SyncConfig, "accumulate": SyncConfig, "amp_aware": AmpAwareSyncConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
     "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig},
     "trainer": {"default": TrainerConfig},
@@ -278,14 +290,41 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
         _require(all(h >= 1 for h in cfg["model"]["hidden_sizes"]), "model.hidden_sizes",
                  "a list of integers >= 1", cfg["model"]["hidden_sizes"])
 
-    prec = cfg["precision"]["name"]
-    _require(prec in ("fp32", "bf16", "fp16"), "precision.name", "one of fp32, bf16, fp16", prec)
+    check_precision(cfg, cuda_available)
     lrs = cfg["lr_scheduler"]
     if lrs["name"] == "cosine":
         _require(lrs["warmup_steps"] >= 0, "lr_scheduler.warmup_steps", "an integer >= 0",
                  lrs["warmup_steps"])
         _require(0.0 <= lrs["min_lr_ratio"] <= 1.0, "lr_scheduler.min_lr_ratio",
                  "a number in [0, 1]", lrs["min_lr_ratio"])
+
+
+def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
+    """The precision, its scaler settings and amp_aware's options; a precision that autocast
+    cannot run on the device the workers will use is refused here, before they start."""
+    pcfg, sync = cfg["precision"], cfg["sync"]
+    prec = pcfg["name"]
+    _require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
+    backend = cfg["trainer"]["backend"]
+    device = "cuda" if backend == "nccl" or (backend == "auto" and cuda_available) else "cpu"
+    if not autocast_runs(prec, device):
+        runnable = [name for name in DTYPES if autocast_runs(name, device)]
+        raise ConfigError(f"precision.name={prec!r} cannot run on {device} (torch autocast "
+                          f"falls back to fp32 there): choose one of {', '.join(runnable)}")
+    _require(pcfg["init_scale"] > 0, "precision.init_scale", "a number > 0", pcfg["init_scale"])
+    _require(pcfg["growth_interval"] >= 1, "precision.growth_interval", "an integer >= 1",
+             pcfg["growth_interval"])
+    _require(pcfg["growth_factor"] > 1, "precision.growth_factor", "a number > 1",
+             pcfg["growth_factor"])
+    _require(0 < pcfg["backoff_factor"] < 1, "precision.backoff_factor", "a number in (0, 1)",
+             pcfg["backoff_factor"])
+    if sync["name"] == "amp_aware":
+        _require(sync["comm_dtype"] in DTYPES, "sync.comm_dtype", "one of bf16, fp16, fp32",
+                 sync["comm_dtype"])
+        if sync["comm_dtype"] == "fp16" and prec != "fp16":
+            raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not {prec!r}: only "
+                              "its GradScaler catches an overflow of the fp16 all-reduce; "
+                              "use bf16 or fp32")
 
 
 def build_optimizer(cfg: dict[str, Any], params):

@@ -5,6 +5,12 @@ For every micro-batch the sync policy decides whether its forward+backward runs 
 holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
 applies the gradient of the mean loss over every sample of the window on every rank, a short
 last window included.
+
+Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
+x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
+the step of a window whose gradients hold inf/nan: such a window advances ``windows`` but neither
+``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every`` count only
+real updates (Lightning #5558 stepped the scheduler anyway).
 """
 
 from __future__ import annotations
@@ -55,12 +61,17 @@ class Parts:
 
 @dataclass
 class Progress:
-    step: int = 0  # optimizer steps taken
+    step: int = 0  # optimizer steps applied (an AMP-skipped step is not one)
+    windows: int = 0  # windows run = optimizer-step attempts, skipped ones included
     epoch: int = 0
     samples_seen: int = 0  # over all ranks
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.windows - self.step
 
     def done(self, p: Parts) -> bool:
         return self.epoch >= p.max_epochs or (p.max_steps >= 0 and self.step >= p.max_steps)
@@ -69,22 +80,31 @@ class Progress:
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss_fn: Callable,
                device: torch.device) -> torch.Tensor:
-    """Forward+backward every micro-batch of one window; returns this rank's mean loss."""
+    """Forward+backward every micro-batch of one window; returns this rank's mean loss over the
+    micro-batches it computed. After each backward the policy may find the window doomed (an
+    overflow on some rank; every rank agrees): its remaining micro-batches are then drawn from
+    the data stream without compute, so the data order never depends on overflows."""
     total = torch.zeros((), device=device)
+    computed = 0
+    doomed = False
     for i in range(window.size):
         x, y = next(batches)
+        if doomed:
+            continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with sync_context(ddp, policy.should_sync(i, window.size)):
             with precision.autocast():
                 loss = loss_fn(ddp(x), y)
             precision.backward(loss / window.local_samples)
         total += loss.detach()
-    return total / window.local_samples
+        computed += len(y)
+        doomed = policy.window_doomed(ddp, i, window.size)
+    return total / computed
 
 
 def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
-    p.precision.unscale(p.optimizer)
+    p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
     norm = None
     if p.clip_grad_norm > 0:
         norm = float(clip_grad_norm_(p.ddp.parameters(), p.clip_grad_norm))
@@ -139,13 +159,16 @@ class StepLog:
             scalars["train/grad_norm"] = grad_norm
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
-        self.log.scalars(state.step, scalars)
+            scalars["amp/skipped_steps"] = state.skipped_steps
+            scalars["amp/aborted_windows"] = self.p.policy.overflow.aborted_windows
+            scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
+        self.log.scalars(state.windows, scalars)
         self.rows, self.losses = [], []
 
 
 def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
     state.last_eval = p.evaluate()
-    log.scalars(state.step, {f"eval/{k}": v for k, v in state.last_eval.items()})
+    log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
 
 
 def train(p: Parts, state: Progress, log: RunLog) -> Progress:
@@ -160,22 +183,23 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss_fn,
                                     p.device)
             lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.step + 1) % p.log_every == 0
+            log_now = (state.windows + 1) % p.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)
             state.train_s += time.perf_counter() - t0
-            state.step += 1
+            state.windows += 1
+            state.step += stepped
             state.samples_seen += window.local_samples * p.world_size
             state.epoch = epoch + (k == len(plan) - 1)  # counts completed epochs
-            steps.add({"step": state.step, "epoch": epoch,
+            steps.add({"window": state.windows, "step": state.step, "epoch": epoch,
                        "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                        "stepped": stepped}, local_loss)
             if log_now:
                 steps.flush(state, norm)
-            if p.eval_every and state.step % p.eval_every == 0:
+            if p.eval_every and stepped and state.step % p.eval_every == 0:
                 evaluate(p, state, log)
             if state.done(p):
                 break
     steps.flush(state, None)
-    if not (p.eval_every and state.step % p.eval_every == 0):
+    if not (p.eval_every and state.step and state.step % p.eval_every == 0):
         evaluate(p, state, log)
     return state

@@ -27,7 +27,7 @@ from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.metrics import RunLog, peak_rss_mb
 from gradsync.models import build_model
 from gradsync.policies import build_policy
-from gradsync.precision import Precision
+from gradsync.precision import build_precision
 from gradsync.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")
@@ -78,12 +78,12 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         gradient_as_bucket_view=tr["gradient_as_bucket_view"],
         bucket_cap_mb=tr["bucket_cap_mb"],
     )
-    policy = build_policy(cfg["sync"])
-    counts = install_counting_hook(ddp)
+    precision = build_precision(cfg["precision"], device.type)
+    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
+    counts = install_counting_hook(ddp, policy.comm_hook())
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
-    pcfg = cfg["precision"]
     return Parts(
         ddp=ddp,
         optimizer=optimizer,
@@ -92,8 +92,7 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         sampler=sampler,
         schedule=schedule,
         policy=policy,
-        precision=Precision(pcfg["name"], device.type, pcfg["init_scale"],
-                            pcfg["growth_interval"]),
+        precision=precision,
         loss_fn=lambda out, y: loss_sum(data.task, out, y),
         evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device),
         counts=counts,
@@ -126,6 +125,7 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             checkpoint.save_atomic(
                 {"model": p.ddp.module.state_dict(), "optimizer": p.optimizer.state_dict(),
                  "lr_scheduler": p.lr_scheduler.state_dict(), "step": state.step,
+                 "grad_scaler": p.precision.scaler.state_dict() if p.precision.scaler else {},
                  "epoch": state.epoch, "config": cfg},
                 run_dir / "checkpoints" / "last.pt")
     finally:
@@ -136,7 +136,9 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
-    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb()]
+    o = p.policy.overflow
+    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
@@ -153,6 +155,12 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "allreduce_calls": [g[1] for g in gathered],
         "allreduce_bytes": [g[2] for g in gathered],
         "peak_rss_mb": max(g[3] for g in gathered),
+        "windows": state.windows,
+        "amp_skipped_steps": state.skipped_steps,
+        "amp_final_scale": p.precision.scale,
+        "amp_aborted_windows": [g[4] for g in gathered],
+        "allreduce_skipped": [g[5] for g in gathered],
+        "overflow_flag_allreduces": [g[6] for g in gathered],
         "world_size": p.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.micro_batch_size,
