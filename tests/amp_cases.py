@@ -28,19 +28,25 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
+    """What optimizer_step asks of the loop's Parts, for a DDP model under fp16."""
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    precision = Precision("fp16", "cpu", init_scale=init_scale)
+    policy = build_policy(sync_cfg, uses_scaler=True)
+    counts = install_counting_hook(ddp, policy.comm_hook())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    return SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
+                           precision=precision, policy=policy, clip_grad_norm=0.0), counts
+
+
 def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
     """Two windows under fp16. In the first, rank 0's second micro-batch overflows (a target of
     1e6 makes its scaled output gradient inf in fp16) while rank 1's data are ordinary; the
     second window is ordinary on both ranks. Records, per window, which micro-batches were
     computed and drawn, the scale each computed one saw, the step decision, the counters."""
     rank = dist.get_rank()
-    ddp = DistributedDataParallel(tiny_model(), gradient_as_bucket_view=True)
-    precision = Precision("fp16", "cpu", init_scale=init_scale)
-    policy = build_policy(sync_cfg, uses_scaler=True)
-    counts = install_counting_hook(ddp, policy.comm_hook())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    p = SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
-                        precision=precision, policy=policy, clip_grad_norm=0.0)
+    p, counts = _fp16_parts(sync_cfg, init_scale, tiny_model())
+    ddp, precision, policy = p.ddp, p.precision, p.policy
     initial = _params(ddp.module)
     windows = []
     for w in range(2):
@@ -87,3 +93,25 @@ def train_all_ranks(cfg: dict) -> dict:
             "sync_backwards": p.counts.sync_backwards, "allreduce_bytes": p.counts.allreduce_bytes,
             "allreduce_calls": p.counts.allreduce_calls, "last_loss": state.last_loss,
             "eval": state.last_eval}
+
+
+def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
+    """One window of the same micro-batch four times on both ranks, at a scale that puts each
+    micro-batch's largest scaled gradient at 30000 (fp16 holds up to 65504): the fp32 sum of
+    the window reaches 120000, finite on each rank, but not once cast to fp16 for the wire."""
+    model = tiny_model()
+    x, y = window_data(30, 1, [3])[0][0]  # the same data on every rank
+    (loss_sum("regression", model(x), y) / 12).backward()
+    biggest = max(q.grad.abs().max().item() for q in model.parameters())
+    model.zero_grad(set_to_none=True)
+    sync = {"name": "amp_aware", "comm_dtype": comm_dtype, "overflow_consensus": True}
+    p, counts = _fp16_parts(sync, 30000.0 / biggest, model)
+    initial = _params(model)
+    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12), p.policy, p.precision,
+               lambda out, t: loss_sum("regression", out, t), torch.device("cpu"))
+    scale_before = p.precision.scale
+    stepped, _ = optimizer_step(p, want_norm=False)
+    return {"stepped": stepped, "scale_before": scale_before, "scale_after": p.precision.scale,
+            "sync_backwards": counts.sync_backwards, "overflow": vars(p.policy.overflow).copy(),
+            "moved": max((a - b).abs().max().item()
+                         for a, b in zip(_params(model).values(), initial.values(), strict=True))}
