@@ -242,6 +242,24 @@ def test_bf16_and_fp16_all_reduces_move_exactly_half_the_bytes(pool2):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_fp16_clips_the_unscaled_gradients(pool2):
+    """trainer.clip_grad_norm=0.3 halves how far the synthetic run moves, so it clips most
+    steps. fp16 (with its fp16 all-reduce) clips after unscaling, so it trains what fp32 trains
+    up to fp16 rounding: we allow one fp16 unit roundoff (2^-11) of the movement and measured a
+    third of it; clipping the scaled gradients would leave the weights almost where they began."""
+    base = synthetic_cfg(2, 4, 4)
+    unclipped = pool2.run(amp_cases.train_all_ranks, base)[0]
+    base["trainer"]["clip_grad_norm"] = 0.3
+    fp32 = pool2.run(amp_cases.train_all_ranks, base)[0]
+    fp16 = pool2.run(amp_cases.train_all_ranks, with_amp(base, "fp16", comm_dtype="fp16"))[0]
+    moved = max_diff(fp32["params"], fp32["initial"])
+    assert moved < 0.6 * max_diff(unclipped["params"], unclipped["initial"])
+    assert fp16["step"] == 14 and fp16["scale"] == 65536.0
+    assert max_diff(fp16["params"], fp32["params"]) <= 2.0**-11 * moved
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_default_experiment_in_bf16_and_fp16_ends_close_to_fp32(pool2, tmp_path):
     """The default experiment (digits, MLP, accumulate N=4) cut to 5 epochs (60 steps), in
     fp32 and with amp_aware under bf16 and fp16 (bf16 all-reduce). Measured: final train loss
