@@ -16,6 +16,7 @@ from gradsync.comm import install_counting_hook
 from gradsync.data import loss_sum
 from gradsync.loop import Progress, optimizer_step, run_window, train
 from gradsync.metrics import RunLog
+from gradsync.normalize import SAMPLES
 from gradsync.policies import build_policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
@@ -36,7 +37,8 @@ def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
     counts = install_counting_hook(ddp, policy.comm_hook())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     return SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
-                           precision=precision, policy=policy, clip_grad_norm=0.0), counts
+                           precision=precision, policy=policy, clip_grad_norm=0.0,
+                           normalizer=SAMPLES), counts
 
 
 def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gradsync.normalize import CHOICES as NORMALIZE_CHOICES
 from gradsync.precision import DTYPES, autocast_runs
 
 
@@ -29,6 +30,18 @@ class MLPConfig:
     name: str = "mlp"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
     activation: str = "relu"  # relu | gelu | tanh
+
+
+@dataclass
+class TransformerConfig:
+    """Decoder-only causal transformer for token data; its vocabulary and position table come
+    from the data."""
+
+    name: str = "transformer"
+    d_model: int = 32
+    n_layers: int = 2
+    n_heads: int = 2
+    mlp_ratio: int = 4
 
 
 # --- optimizer (instantiated with _partial_: the worker passes the parameters) ----------------
@@ -123,6 +136,28 @@ class DigitsDataConfig:
     split_seed: int = 0
 
 
+@dataclass
+class SyntheticLMDataConfig:
+    """Deterministic variable-length token sequences made from the run's seed."""
+
+    name: str = "synthetic_lm"
+    micro_batch_size: int = 8
+    num_samples: int = 2048  # training sequences
+    eval_samples: int = 256
+    vocab_size: int = 32
+    min_len: int = 4  # tokens per sequence, drawn uniformly in [min_len, max_len]
+    max_len: int = 64
+    max_stride: int = 4
+    noise: float = 0.05
+
+
+# --- loss -------------------------------------------------------------------------------------
+@dataclass
+class LossConfig:
+    normalize: str = "auto"  # auto (tokens on token data, else samples) | tokens | samples
+    #                          | micro_batch_mean (the 2024 accumulation bug, to measure it)
+
+
 # --- trainer ----------------------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
@@ -164,11 +199,12 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scheduler: Any = MISSING
+    loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mlp": MLPConfig},
+    "model": {"mlp": MLPConfig, "transformer": TransformerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "schedule": {
         "constant": ConstantScheduleConfig,
@@ -177,9 +213,11 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     },
     "sync": {"always": SyncConfig, "accumulate": SyncConfig, "amp_aware": AmpAwareSyncConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
-    "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig},
+    "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig,
+             "synthetic_lm": SyntheticLMDataConfig},
     "trainer": {"default": TrainerConfig},
     "lr_scheduler": {"none": NoLRSchedulerConfig, "cosine": CosineLRSchedulerConfig},
+    "loss": {"default": LossConfig},
 }
 
 SCHEMAS_BY_NAME: dict[str, type] = {
@@ -259,9 +297,10 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
 
     micro = cfg["data"]["micro_batch_size"]
     _require(micro >= 1, "data.micro_batch_size", "an integer >= 1", micro)
-    if cfg["data"]["name"] == "synthetic":
+    if cfg["data"]["name"] in ("synthetic", "synthetic_lm"):
         n = cfg["data"]["num_samples"]
         _require(n >= 1, "data.num_samples", "an integer >= 1", n)
+    validate_tokens(cfg)
 
     world = resolve_world_size(cfg)
     sched = cfg["schedule"]
@@ -325,6 +364,45 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
             raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not {prec!r}: only "
                               "its GradScaler catches an overflow of the fp16 all-reduce; "
                               "use bf16 or fp32")
+
+
+TOKEN_DATA = ("synthetic_lm",)
+
+
+def validate_tokens(cfg: dict[str, Any]) -> None:
+    """Token data, the transformer and loss.normalize go together."""
+    data, model = cfg["data"], cfg["model"]
+    tokens = data["name"] in TOKEN_DATA
+    if tokens:
+        _require(model["name"] == "transformer", "model",
+                 f"data={data['name']} (token data) needs model=transformer", model["name"])
+    elif model["name"] == "transformer":
+        raise ConfigError(f"model=transformer needs token data (data=synthetic_lm); "
+                          f"data={data['name']} has samples: use model=mlp")
+    normalize = cfg["loss"]["normalize"]
+    _require(normalize in NORMALIZE_CHOICES, "loss.normalize",
+             f"one of {', '.join(NORMALIZE_CHOICES)}", normalize)
+    if normalize == "tokens" and not tokens:
+        raise ConfigError(f"loss.normalize='tokens' needs token data (data=synthetic_lm); "
+                          f"data={data['name']} has samples: use auto or samples")
+    if model["name"] == "transformer":
+        _require(model["d_model"] >= 1 and model["d_model"] % model["n_heads"] == 0,
+                 "model.d_model", f"a positive multiple of model.n_heads={model['n_heads']}",
+                 model["d_model"])
+        for key in ("n_layers", "n_heads", "mlp_ratio"):
+            _require(model[key] >= 1, f"model.{key}", "an integer >= 1", model[key])
+    if tokens:
+        _require(data["vocab_size"] >= 2, "data.vocab_size", "an integer >= 2",
+                 data["vocab_size"])
+        _require(data["min_len"] >= 2, "data.min_len",
+                 "an integer >= 2 (a sequence needs one input and one target)", data["min_len"])
+        _require(data["max_len"] >= data["min_len"], "data.max_len",
+                 f"an integer >= data.min_len={data['min_len']}", data["max_len"])
+        _require(1 <= data["max_stride"] < data["vocab_size"], "data.max_stride",
+                 f"an integer in [1, data.vocab_size={data['vocab_size']})", data["max_stride"])
+        _require(0.0 <= data["noise"] <= 1.0, "data.noise", "a number in [0, 1]", data["noise"])
+        _require(data["eval_samples"] >= 1, "data.eval_samples", "an integer >= 1",
+                 data["eval_samples"])
 
 
 def build_optimizer(cfg: dict[str, Any], params):

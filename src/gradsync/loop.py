@@ -4,7 +4,8 @@ For every micro-batch the sync policy decides whether its forward+backward runs 
 ``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
 holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
 applies the gradient of the mean loss over every sample of the window on every rank, a short
-last window included.
+last window included. Token-normalised losses, whose count is only known at the window's end,
+are rescaled once before the step (normalize.py).
 
 Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
 x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.comm import CommCounts
 from gradsync.metrics import RunLog
+from gradsync.normalize import SAMPLES, Normalizer
 from gradsync.policies import SyncPolicy, sync_context
 from gradsync.precision import Precision
 from gradsync.schedules import Window, plan_epoch
@@ -57,6 +59,7 @@ class Parts:
     log_every: int
     eval_every: int  # 0: only at the end
     clip_grad_norm: float  # 0: off
+    normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
 
 
 @dataclass
@@ -79,32 +82,35 @@ class Progress:
 
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss_fn: Callable,
-               device: torch.device) -> torch.Tensor:
-    """Forward+backward every micro-batch of one window; returns this rank's mean loss over the
-    micro-batches it computed. After each backward the policy may find the window doomed (an
-    overflow on some rank; every rank agrees): its remaining micro-batches are then drawn from
-    the data stream without compute, so the data order never depends on overflows."""
+               device: torch.device, norm: Normalizer = SAMPLES) -> torch.Tensor:
+    """Forward+backward every micro-batch of one window; returns this rank's share of the
+    window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
+    in full). After each backward the policy may find the window doomed (an overflow on some
+    rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
+    without compute, so the data order never depends on overflows."""
     total = torch.zeros((), device=device)
-    computed = 0
     doomed = False
     for i in range(window.size):
         x, y = next(batches)
         if doomed:
             continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        divisor = norm.divisor(window, i, y)
         with sync_context(ddp, policy.should_sync(i, window.size)):
             with precision.autocast():
-                loss = loss_fn(ddp(x), y)
-            precision.backward(loss / window.local_samples)
+                loss = loss_fn(ddp(x), y) / divisor
+            precision.backward(loss)
         total += loss.detach()
-        computed += len(y)
         doomed = policy.window_doomed(ddp, i, window.size)
-    return total / computed
+    if doomed:
+        return torch.full((), float("nan"), device=device)
+    return norm.window_loss(total)
 
 
 def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
     p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
+    p.normalizer.before_step(p.ddp.parameters())
     norm = None
     if p.clip_grad_norm > 0:
         norm = float(clip_grad_norm_(p.ddp.parameters(), p.clip_grad_norm))
@@ -181,7 +187,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
         for k, window in enumerate(plan):
             t0 = time.perf_counter()
             local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss_fn,
-                                    p.device)
+                                    p.device, p.normalizer)
             lr = p.optimizer.param_groups[0]["lr"]
             log_now = (state.windows + 1) % p.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)

@@ -21,11 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsync import checkpoint
 from gradsync.comm import install_counting_hook
 from gradsync.config import build_optimizer
-from gradsync.data import build_data, evaluate, loss_sum, train_loader
+from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
 from gradsync.loop import Parts, Progress, train
 from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.metrics import RunLog, peak_rss_mb
 from gradsync.models import build_model
+from gradsync.normalize import build_normalizer
 from gradsync.policies import build_policy
 from gradsync.precision import build_precision
 from gradsync.schedules import build_schedule, total_optimizer_steps
@@ -70,8 +71,8 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
     seed_everything(seed)
     data = build_data(dcfg, seed)
     micro = dcfg["micro_batch_size"]
-    loader, sampler = train_loader(data.train, micro, rank, world_size, seed)
-    model = build_model(cfg["model"], data.in_dim, data.out_dim).to(device)
+    loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate)
+    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -84,6 +85,11 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
+    # configs built by hand (tests) may lack the loss group: auto, as its default
+    normalizer = build_normalizer(cfg.get("loss", {}).get("normalize", "auto"), data.task,
+                                  lambda y: loss_units(data.task, y), world_size, device,
+                                  data.tokens_per_sample)
+    per_sequence = normalizer.name == "samples"  # token data: every sequence weighs the same
     return Parts(
         ddp=ddp,
         optimizer=optimizer,
@@ -93,8 +99,9 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         schedule=schedule,
         policy=policy,
         precision=precision,
-        loss_fn=lambda out, y: loss_sum(data.task, out, y),
-        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device),
+        loss_fn=lambda out, y: loss_sum(data.task, out, y, per_sequence),
+        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device,
+                                  collate=data.collate),
         counts=counts,
         device=device,
         world_size=world_size,
@@ -105,6 +112,7 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         log_every=tr["log_every"],
         eval_every=tr["eval_every"],
         clip_grad_norm=tr["clip_grad_norm"],
+        normalizer=normalizer,
     )
 
 
@@ -165,6 +173,7 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.micro_batch_size,
         "sync_policy": p.policy.name,
+        "loss_normalize": p.normalizer.name,
         "precision": p.precision.name,
         "backend": dist.get_backend(),
         "seed": cfg["seed"],
