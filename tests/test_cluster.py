@@ -147,26 +147,35 @@ def test_two_torchrun_nodes_train_like_one_node(tmp_path, cli_env, basic_sweep):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_torchrun_failures_are_one_line(tmp_path, cli_env):
-    port = free_port()
-    # A rank whose training raises: the run ends non-zero with the rank and the error in one
-    # line, and a failed summary.
-    proc = run([*TORCHRUN, "--nproc-per-node=2", f"--master-port={port}", *TRAIN, *JOB,
-                f"hydra.run.dir={tmp_path / 'run'}", "optimizer.lr=-1"], tmp_path, cli_env)
+def test_torchrun_failures_are_one_line_and_a_restart_gets_a_fresh_dir(tmp_path, cli_env):
+    """A rank whose training raises ends the job non-zero with the rank and the error in one
+    line and a failed summary. With --max-restarts=1 torchrun runs the job twice: two dirs.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restarts on torchrun's shared store can read the
+    previous attempt's keys, pytorch#135712) also makes rank 0, not the agent, host the store
+    that rank0_now goes through."""
+    env = cli_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", *TRAIN,
+                *JOB, "optimizer.lr=-1"], tmp_path, env)
     assert proc.returncode != 0
-    assert "gradsync: training failed: rank 0 failed: ValueError: Invalid learning rate" \
-        in proc.stderr
-    assert "config error" not in proc.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "Invalid learning rate" in summary["error"]
+    line = "gradsync: training failed: rank 0 failed: ValueError: Invalid learning rate: -1.0"
+    assert proc.stderr.count(line) == 2 and "config error" not in proc.stderr
+    run_dirs = sorted((tmp_path / "outputs" / "runs").glob("*/*"))
+    assert len(run_dirs) == 2
+    for run_dir in run_dirs:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary == {"status": "failed", "error": line.removeprefix("gradsync: ")}
+        assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log",
+                                                                        "rank1.log"]
 
     # A sweep under torchrun is refused before anything is created.
-    proc = run([*TORCHRUN, "--nproc-per-node=1", f"--master-port={port}", *TRAIN, *SWEEP,
-                *JOB], tmp_path, cli_env)
+    elsewhere = tmp_path / "sweep"
+    elsewhere.mkdir()
+    proc = run([*TORCHRUN, "--nproc-per-node=1", f"--master-port={free_port()}", *TRAIN,
+                *SWEEP, *JOB], elsewhere, cli_env)
     assert proc.returncode != 0
     assert "gradsync: config error: a multirun (-m) under torchrun is not supported" \
         in proc.stderr
-    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+    assert list(elsewhere.iterdir()) == []
 
 
 @pytest.mark.slow
