@@ -183,10 +183,11 @@ def test_torchrun_failures_are_one_line_and_a_restart_gets_a_fresh_dir(tmp_path,
 def test_submitit_sweep_matches_the_basic_launcher(tmp_path, cli_env, basic_sweep):
     """hydra/launcher=slurm_local: each job runs as 2 submitit tasks, one rank each, through the
     code path a SLURM job takes."""
-    sweep = tmp_path / "sweep"
-    proc = run([sys.executable, *TRAIN, *SWEEP, *JOB, "hydra/launcher=slurm_local",
-                f"hydra.sweep.dir={sweep}"], tmp_path, cli_env)
+    proc = run([sys.executable, *TRAIN, *SWEEP, *JOB, "hydra/launcher=slurm_local"], tmp_path,
+               cli_env)
     assert proc.returncode == 0, proc.stderr
+    # the default sweep dir: named once by the submitting process, used by every task
+    (sweep,) = (tmp_path / "outputs" / "sweeps").glob("*/*")
     jobs = sorted(p.name for p in sweep.iterdir() if not p.name.startswith("."))
     assert jobs == ["0", "1", "multirun.yaml"]
     for job in ("0", "1"):
@@ -225,7 +226,8 @@ def test_a_slurm_task_becomes_an_env_rank(monkeypatch):
     for procid in ("5", "0"):
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT"):
-            monkeypatch.delenv(key, raising=False)
+            monkeypatch.setenv(key, "")  # so that monkeypatch restores them after the test
+            monkeypatch.delenv(key)
         for key, value in (slurm | {"SLURM_PROCID": procid}).items():
             monkeypatch.setenv(key, value)
         assert job_rank() == int(procid)  # while Hydra sets the job up, before the export
