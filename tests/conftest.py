@@ -59,9 +59,15 @@ def single_process_group():
 
 @pytest.fixture
 def cli_env():
+    return cli_environ()
+
+
+def cli_environ() -> dict:
+    """The environment of a gradsync-train subprocess: not a rank of anything."""
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "SUBMITIT_EXECUTOR"):
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env

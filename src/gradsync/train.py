@@ -18,18 +18,31 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gradsync.config import ConfigError, register_configs, schema_keys, to_plain, validate
-from gradsync.launch import WorkerFailed, launch
+from gradsync.launch import (
+    WorkerFailed,
+    adopt_submitit_ranks,
+    job_rank,
+    launch,
+    rank0_now,
+    under_torchrun,
+)
 from gradsync.metrics import write_json_atomic
 
 register_configs()
+# Under torchrun and submitit every rank runs this app: conf/config.yaml names the run dir with
+# rank 0's clock and lets only rank 0 write Hydra's own files (.hydra/, the job's log file).
+OmegaConf.register_new_resolver("rank0_now", rank0_now, use_cache=True, replace=True)
+OmegaConf.register_new_resolver(
+    "if_rank0", lambda value, other: value if job_rank() == 0 else other, replace=True)
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> dict:
+    adopt_submitit_ranks()
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     try:
@@ -44,7 +57,7 @@ def hydra_main(cfg: DictConfig) -> dict:
         launch(plain, run_dir)
     except WorkerFailed as e:
         return _fail(hc.mode, run_dir, "training failed", str(e), 1)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if job_rank() != 0:
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
@@ -56,7 +69,7 @@ def hydra_main(cfg: DictConfig) -> dict:
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int) -> dict:
     """One line and a non-zero exit for a single run; in a sweep, a failed row (and the sweep
     goes on)."""
-    if run_dir.is_dir():
+    if run_dir.is_dir() and job_rank() == 0:
         write_json_atomic(run_dir / "summary.json",
                           {"status": "failed", "error": f"{kind}: {message}"})
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
@@ -106,7 +119,17 @@ def one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
+
+
 def main() -> None:
+    if under_torchrun() and MULTIRUN_FLAGS & set(sys.argv[1:]):
+        # Each job of a sweep joins a process group again through the same torchrun store,
+        # which outlives the previous job's group: the second job hangs there. Refuse up front.
+        print("gradsync: config error: a multirun (-m) under torchrun is not supported: run one "
+              "job per torchrun, or sweep through hydra/launcher=slurm (one SLURM job per run)",
+              file=sys.stderr)
+        sys.exit(2)
     # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
     # we then print one line ourselves, or the traceback if the user asked for it.
     user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
