@@ -57,14 +57,24 @@ def single_process_group():
     # left for interpreter exit: other session fixtures may still use it
 
 
-@pytest.fixture
-def cli_env():
+def clean_cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def cli_env():
+    return clean_cli_env()
+
+
+@pytest.fixture(scope="module")
+def cli_env_module():
+    """cli_env for module-scoped fixtures (a sweep run once, checked by several tests)."""
+    return clean_cli_env()
 
 
 def pytest_configure(config):
