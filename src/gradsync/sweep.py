@@ -174,7 +174,7 @@ def plot(jobs: list[Job], path: Path):
             samples, losses = zip(*job.losses, strict=True)
             ax_loss.plot(samples, losses, label=label(job), linewidth=1.2)
     all_losses = [loss for job in jobs for _, loss in job.losses]
-    if all_losses and min(all_losses) > 0:
+    if all_losses and min(all_losses) > 0 and max(all_losses) > 10 * min(all_losses):
         ax_loss.set_yscale("log")
     ax_loss.set(xlabel="samples seen", ylabel="train loss (mean over ranks)",
                 title="Train loss per job")
