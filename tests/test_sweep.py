@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -162,6 +163,23 @@ def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
     assert list(speed_ax.lines[0].get_ydata()) == \
         [s["samples_per_s"] for s in summaries(sweep_dir, 3)]
     assert [t.get_text() for t in speed_ax.get_xticklabels()] == ["1", "2", "4"]
+
+
+@pytest.mark.slow
+def test_summary_of_a_sweep_dir_can_be_written_by_hand(accum_sweep, tmp_path, cli_env):
+    sweep_dir, _ = accum_sweep
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, copy)
+    for name in ("sweep_summary.csv", "sweep_summary.md", "sweep.png"):
+        (copy / name).unlink()
+    proc = subprocess.run([sys.executable, "-m", "gradsync.sweep", str(copy)],
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (copy / "sweep_summary.md").read_text() == \
+        (sweep_dir / "sweep_summary.md").read_text().replace(str(sweep_dir), str(copy))
+    assert [{**r, "dir": ""} for r in csv_rows(copy)] == \
+        [{**r, "dir": ""} for r in csv_rows(sweep_dir)]
+    assert (copy / "sweep.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 def hparams_session_groups(logdir: Path) -> dict:

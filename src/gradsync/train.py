@@ -77,7 +77,11 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        result = sweep.write_summary(sweep_dir)
+        try:
+            result = sweep.write_summary(sweep_dir)
+        except Exception as e:  # a warning and exit code 0 otherwise
+            print(f"gradsync: sweep summary failed: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
         print(f"\n{result.markdown}", flush=True)
         if result.failed:
             print(f"gradsync: sweep: {result.failed} of {result.jobs} jobs failed; see "
