@@ -252,14 +252,14 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
     assert (sweep_dir / "sweep.png").read_bytes()[:8] == PNG_SIGNATURE
 
     # Jobs 0 and 1 ran at the same time, each with its own store port, group and dir (job 1
-    # failed only after its process group and DDP were up), and job 2 ran after job 1.
+    # failed only after its process group and DDP were up); job 2 waited for a free slot.
     def span(j: int) -> tuple[float, float]:
         d = sweep_dir / str(j)
         return (d / ".hydra" / "config.yaml").stat().st_mtime, (d / "summary.json").stat().st_mtime
 
     (start0, end0), (start1, end1), (start2, _) = span(0), span(1), span(2)
     assert start0 < end1 and start1 < end0, "the joblib jobs did not overlap"
-    assert start2 >= end1
+    assert start2 >= min(end0, end1)  # n_jobs=2: never three at once
     assert "rank 0/2 up: backend=gloo" in (sweep_dir / "1" / "logs" / "rank0.log").read_text()
     for j in range(3):
         logs = sweep_dir / str(j) / "logs"
