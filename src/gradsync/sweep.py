@@ -116,7 +116,8 @@ def _cell(column: str, value: Any) -> str:
 
 
 def _loss_spread(rows: list[dict[str, Any]]) -> str:
-    losses = [r["final_train_loss"] for r in rows if r["status"] == "completed"]
+    losses = [r["final_train_loss"] for r in rows
+              if r["status"] == "completed" and math.isfinite(r["final_train_loss"])]
     if len(losses) < 2:
         return ""
     lo, hi = min(losses), max(losses)
@@ -173,7 +174,8 @@ def plot(jobs: list[Job], path: Path):
         if job.losses:
             samples, losses = zip(*job.losses, strict=True)
             ax_loss.plot(samples, losses, label=label(job), linewidth=1.2)
-    all_losses = [loss for job in jobs for _, loss in job.losses]
+    # NaN marks a window aborted by fp16 overflow: a gap in the curve, not a scale
+    all_losses = [loss for job in jobs for _, loss in job.losses if math.isfinite(loss)]
     if all_losses and min(all_losses) > 0 and max(all_losses) > 10 * min(all_losses):
         ax_loss.set_yscale("log")
     ax_loss.set(xlabel="samples seen", ylabel="train loss (mean over ranks)",
