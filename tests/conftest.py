@@ -57,12 +57,7 @@ def single_process_group():
     # left for interpreter exit: other session fixtures may still use it
 
 
-@pytest.fixture
-def cli_env():
-    return cli_environ()
-
-
-def cli_environ() -> dict:
+def cli_environ() -> dict[str, str]:
     """The environment of a gradsync-train subprocess: not a rank of anything."""
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
@@ -71,6 +66,17 @@ def cli_environ() -> dict:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def cli_env():
+    return cli_environ()
+
+
+@pytest.fixture(scope="module")
+def cli_env_module():
+    """cli_env for module-scoped fixtures (a sweep run once, checked by several tests)."""
+    return cli_environ()
 
 
 def pytest_configure(config):

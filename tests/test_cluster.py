@@ -8,6 +8,7 @@ SLURM config and submitit's reading of a SLURM task's environment are checked on
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ def test_torchrun_job_has_one_run_dir_written_by_rank0(tmp_path, cli_env, basic_
     assert files_under(run_dir) == [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
         "checkpoints/last.pt", "logs/rank0.log", "logs/rank1.log", "metrics.jsonl",
-        "summary.json", "tb/<events>", "train.log"]
+        "summary.json", "tb/<events>", "tb/<events>", "train.log"]  # training + HParams
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     # torchrun's ranks train exactly what gradsync's own spawned workers train
     assert_same_training(run_dir, basic_sweep / "0")
@@ -140,7 +141,7 @@ def test_two_torchrun_nodes_train_like_one_node(tmp_path, cli_env, basic_sweep):
     assert files_under(rank0_dir) == [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
         "checkpoints/last.pt", "logs/rank0.log", "metrics.jsonl", "summary.json",
-        "tb/<events>", "train.log"]
+        "tb/<events>", "tb/<events>", "train.log"]  # training + HParams
     assert sum(d.stdout.count("gradsync: outputs in") for d in done) == 1
     assert_same_training(rank0_dir, basic_sweep / "0")
 
@@ -189,7 +190,18 @@ def test_submitit_sweep_matches_the_basic_launcher(tmp_path, cli_env, basic_swee
     # the default sweep dir: named once by the submitting process, used by every task
     (sweep,) = (tmp_path / "outputs" / "sweeps").glob("*/*")
     jobs = sorted(p.name for p in sweep.iterdir() if not p.name.startswith("."))
-    assert jobs == ["0", "1", "multirun.yaml"]
+    assert jobs == ["0", "1", "multirun.yaml", "sweep.png", "sweep_summary.csv",
+                    "sweep_summary.md"]
+    # the same sweep summary as the basic launcher's, but for timings, memory and paths
+    volatile = {"wall_s", "train_s", "samples_per_s", "peak_rss_mb", "dir"}
+
+    def summary_rows(d: Path) -> list[dict[str, str]]:
+        with open(d / "sweep_summary.csv", newline="") as f:
+            return [{k: v for k, v in row.items() if k not in volatile}
+                    for row in csv.DictReader(f)]
+
+    assert summary_rows(sweep) == summary_rows(basic_sweep)
+    assert [r["status"] for r in summary_rows(sweep)] == ["completed", "completed"]
     for job in ("0", "1"):
         assert files_under(sweep / job) == files_under(basic_sweep / job)
         assert_same_training(sweep / job, basic_sweep / job)

@@ -4,6 +4,7 @@ one process per rank (torchrun, or a submitit job of several tasks), be one of t
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -92,6 +93,15 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
+def _standard_start_method() -> None:
+    """A spawned child sets its parent's default start method from the parent's data; in a
+    joblib (loky) worker that is "loky", which a plain spawned child does not know and dies on.
+    Jobs of a sweep run in loky workers under hydra/launcher=joblib: reset it there."""
+    if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork",
+                                                                 "forkserver"):
+        multiprocessing.set_start_method("spawn", force=True)
+
+
 def launch(cfg: dict[str, Any], run_dir: Path) -> None:
     if under_torchrun():
         rank = int(os.environ["RANK"])
@@ -104,6 +114,7 @@ def launch(cfg: dict[str, Any], run_dir: Path) -> None:
     timeout = timedelta(seconds=cfg["trainer"]["timeout_s"])
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timeout)
+    _standard_start_method()
     try:
         mp.start_processes(worker_main, args=(world, cfg, str(run_dir), store.port),
                            nprocs=world, start_method="spawn")

@@ -79,3 +79,50 @@ class RunLog:
         self.tb.flush()
         self.tb.close()
         self.jsonl.close()
+
+
+def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers runs are compared by: a sweep's summary columns and TensorBoard's HParams
+    metrics. Per-rank counters are rank 0's (every rank joins every all-reduce)."""
+    out = {"final_train_loss": summary["final_train_loss"]}
+    out |= {f"eval_{k}": v for k, v in sorted(summary["eval"].items())}
+    out |= {"samples_per_s": summary["samples_per_s"],
+            "sync_backwards": summary["sync_backwards"][0],
+            "allreduce_calls": summary["allreduce_calls"][0],
+            "allreduce_bytes": summary["allreduce_bytes"][0],
+            "peak_rss_mb": summary["peak_rss_mb"]}
+    out |= {k: summary[k] for k in ("train_s", "wall_s") if k in summary}
+    return out
+
+
+def flat_hparams(cfg: dict[str, Any], prefix: str = "") -> dict[str, float | str]:
+    """{"optimizer.lr": 0.1, "model.hidden_sizes": "[128, 128]", ...}: numbers stay numbers,
+    everything else (lists, booleans) becomes text TensorBoard can filter on."""
+    out: dict[str, float | str] = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flat_hparams(value, f"{name}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def write_hparams(tb_dir: Path, hparams: dict[str, float | str], metrics: dict[str, float],
+                  step: int) -> None:
+    """The run's hyperparameters and final metrics (as scalars "final/<name>") for TensorBoard's
+    HParams tab, in the run's own tb/ dir as Lightning does. Only the session summaries, no
+    experiment summary: TensorBoard then takes the columns from every run under --logdir, where
+    one experiment summary per run would make it show the first run's columns only."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    tags = {f"final/{k.removeprefix('final_')}": float(v) for k, v in metrics.items()}
+    _, session_start, session_end = hparams_summaries(hparams, tags)
+    with SummaryWriter(log_dir=str(tb_dir)) as writer:
+        writer.file_writer.add_summary(session_start, step)
+        writer.file_writer.add_summary(session_end, step)
+        for tag, value in tags.items():
+            writer.add_scalar(tag, value, step)

@@ -13,13 +13,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from gradsync import sweep
 from gradsync.config import ConfigError, register_configs, schema_keys, to_plain, validate
 from gradsync.launch import (
     WorkerFailed,
@@ -29,7 +32,7 @@ from gradsync.launch import (
     rank0_now,
     under_torchrun,
 )
-from gradsync.metrics import write_json_atomic
+from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
 
 register_configs()
 # Under torchrun and submitit every rank runs this app: conf/config.yaml names the run dir with
@@ -62,24 +65,41 @@ def hydra_main(cfg: DictConfig) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
+    write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
+                  summary["optimizer_steps"])
     _report(run_dir, summary)
     return summary
 
 
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int) -> dict:
-    """One line and a non-zero exit for a single run; in a sweep, a failed row (and the sweep
-    goes on)."""
+    """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
+    goes on (SweepSummary makes it exit 1 at the end)."""
+    failed = {"status": "failed", "error": f"{kind}: {message}"}
     if run_dir.is_dir() and job_rank() == 0:
-        write_json_atomic(run_dir / "summary.json",
-                          {"status": "failed", "error": f"{kind}: {message}"})
+        write_json_atomic(run_dir / "summary.json", failed)
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
         sys.exit(code)
-    raise JobFailed(f"{kind}: {message}")
+    return failed  # raising would make Hydra's sweeper stop and skip on_multirun_end
 
 
-class JobFailed(RuntimeError):
-    """A multirun job that failed; already reported."""
+class SweepSummary(Callback):
+    """conf/config.yaml registers it under hydra.callbacks. When a multirun ends it writes the
+    sweep summary from the job dirs, prints it, and ends the sweep with exit code 1 if any job
+    failed: sys.exit, because Hydra turns exceptions raised in callbacks into warnings."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            result = sweep.write_summary(sweep_dir)
+        except Exception as e:  # a warning and exit code 0 otherwise
+            print(f"gradsync: sweep summary failed: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+        print(f"\n{result.markdown}", flush=True)
+        if result.failed:
+            print(f"gradsync: sweep: {result.failed} of {result.jobs} jobs failed; see "
+                  f"{sweep_dir / 'sweep_summary.md'}", file=sys.stderr, flush=True)
+            sys.exit(1)
 
 
 def _report(run_dir: Path, s: dict) -> None:
@@ -136,8 +156,6 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
-    except JobFailed:
-        sys.exit(1)
     except Exception as e:
         if user_wants_traceback:
             raise
