@@ -11,9 +11,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint
 from gradsync.comm import install_counting_hook
-from gradsync.data import loss_sum
+from gradsync.data import loss_sum, loss_units, pad_batch
 from gradsync.loop import run_window
-from gradsync.models import MLP
+from gradsync.models import MLP, Transformer
+from gradsync.normalize import build_normalizer
 from gradsync.policies import build_policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
@@ -112,3 +113,45 @@ def agree_on_stop(polls: int, flag_rank: int, flag_at: int) -> int:
     agreement.close()
     dist.destroy_process_group(group)
     return stopped_at
+
+
+# --- token-normalised windows (tests/test_lm.py) ----------------------------------------------
+LM_VOCAB = 11
+# [rank][micro-batch] -> sequence lengths. Every rank holds the same number of sequences (as
+# the DistributedSampler ensures) but very different token counts (rank 0: 31+2 then 1+2 loss
+# tokens; rank 1: 4+3 then 39+32), so per-micro-batch means weigh tokens very unequally.
+LM_LENGTHS = [[[32, 3], [2, 3]], [[5, 4], [40, 33]]]
+
+
+def lm_window_batches(lengths=LM_LENGTHS) -> list[list[list[torch.Tensor]]]:
+    """[rank][micro] -> list of token sequences, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    return [[[torch.randint(0, LM_VOCAB, (n,), generator=g) for n in micro] for micro in rank]
+            for rank in lengths]
+
+
+def tiny_lm(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(LM_VOCAB, 40, d_model=8, n_layers=1, n_heads=2, mlp_ratio=2)
+
+
+def lm_window_grad(normalize: str, precision: str = "fp32",
+                   tokens_per_sample: float = 20.0) -> dict:
+    """One window through the loop's real run_window, then the scaler's unscale and the
+    normaliser's rescale, as optimizer_step does; returns this rank's gradient and loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DistributedDataParallel(tiny_lm(), gradient_as_bucket_view=True)
+    mine = [pad_batch(seqs) for seqs in lm_window_batches()[rank]]
+    samples = sum(len(x) for x, _ in mine)
+    norm = build_normalizer(normalize, "lm", lambda y: loss_units("lm", y), world,
+                            torch.device("cpu"), tokens_per_sample)
+    prec = Precision(precision, "cpu")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples),
+                      build_policy({"name": "accumulate"}), prec,
+                      lambda out, y: loss_sum("lm", out, y, per_sequence=normalize == "samples"),
+                      torch.device("cpu"), norm)
+    prec.unscale(opt)
+    norm.before_step(ddp.parameters())
+    grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])
+    return {"grad": grad, "loss": float(loss), "scale": prec.scale}

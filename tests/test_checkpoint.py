@@ -188,7 +188,7 @@ def test_derived_seeds_differ_for_neighbouring_inputs():
 
 def test_metrics_keep_rows_through_a_step_and_drop_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 8)]
+    rows = [json.dumps({"window": s, "step": s - 1, "loss": 1.0 / s}) for s in range(1, 8)]
     path.write_text("\n".join(rows) + "\n" + rows[-1][:9])
     keep_rows_through(path, 5)
     assert path.read_text() == "\n".join(rows[:5]) + "\n"

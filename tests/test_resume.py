@@ -50,9 +50,9 @@ def test_resuming_from_a_checkpoint_ends_bitwise_where_the_uninterrupted_run_end
     ref_dir, ref = uninterrupted
     ckpt = checkpoint.step_path(ref_dir / "checkpoints", step)
     state = checkpoint.load(ckpt)
-    assert state["progress"]["step"] == step and len(state["rng"]) == 2
+    assert state["progress"]["step"] == step and len(state["ranks"]) == 2
     # the two ranks' RNG streams differ (seeded from seed and rank)
-    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+    assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
     progress = state["progress"]
     assert (progress["epoch"], progress["epoch_step"]) == divmod(step, STEPS_PER_EPOCH)
 

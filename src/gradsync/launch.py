@@ -1,22 +1,25 @@
 """Start a job's workers: spawn trainer.devices processes that meet at a TCPStore this process
-holds on a free port (no fixed 29500, no port race), or, under torchrun, be one of the workers.
+holds on a free port (no fixed 29500, no port race), or, when an outside engine already started
+one process per rank (torchrun, or a submitit job of several tasks), be one of the workers.
 
-The launcher then watches them. When one fails, the others get a few seconds to exit on their
-own (a peer that went away breaks their next collective) and are then killed: no rank is left
-waiting in a collective, and the job ends with the rank that failed first and its error. A
-SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish the optimizer step,
-checkpoint and exit together (see faults.py); a second one kills them.
+The launcher then watches the workers it spawned. When one fails, the others get a few seconds
+to exit on their own (a peer that went away breaks their next collective) and are then killed:
+no rank is left waiting in a collective, and the job ends with the rank that failed first and
+its error. A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish the
+optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +47,69 @@ class Interrupted(RuntimeError):
 
 
 def under_torchrun() -> bool:
+    """torchrun's (or any env:// launcher's) variables are set: this process is one rank."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def adopt_submitit_ranks() -> None:
+    """In a submitit job of several tasks (SLURM, or submitit's local executor) each task is one
+    rank: export the env:// variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR = the job's first node, MASTER_PORT = MASTER_PORT if set, else
+    one drawn from the job id), so the task runs exactly like a torchrun rank. A job of one task
+    is left alone: it spawns trainer.devices workers itself."""
+    if "SUBMITIT_EXECUTOR" not in os.environ or under_torchrun():
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        # every task sees all of its node's GPUs and picks cuda:LOCAL_RANK (worker.py)
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
+                                                              overwrite=True)
+
+
+def job_rank() -> int:
+    """This process's global rank when an outside engine started the ranks, else 0. Asked while
+    Hydra sets a job up (before adopt_submitit_ranks ran), hence the look at submitit."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        import submitit
+
+        return int(submitit.JobEnvironment().global_rank)
+    return 0
+
+
+_job_store: dist.TCPStore | None = None
+_agreed: dict[str, str] = {}
+
+
+def rank0_now(fmt: str) -> str:
+    """datetime.now().strftime(fmt); under torchrun, rank 0's, read by every rank from the job's
+    store at MASTER_ADDR:MASTER_PORT, so all ranks of a job (on every node) agree on one run dir.
+    Each restart of a torchrun job gets a fresh value, hence a fresh dir."""
+    now = datetime.now().strftime(fmt)
+    if not under_torchrun():
+        return now
+    key = f"gradsync/now/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{fmt}"
+    if key not in _agreed:
+        _agreed[key] = _share_from_rank0(key, now)
+    return _agreed[key]
+
+
+def _share_from_rank0(key: str, value: str) -> str:
+    global _job_store
+    rank = int(os.environ["RANK"])
+    if _job_store is None:
+        # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0
+        # hosts it, multi-tenant, so init_process_group(env://) later reuses this server. Kept
+        # for the life of the process: the other ranks read from it.
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        _job_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=rank == 0 and not agent_hosts, multi_tenant=True,
+                                   wait_for_workers=False, timeout=timedelta(seconds=300))
+    if rank == 0:
+        _job_store.set(key, value)
+    return _job_store.get(key).decode()
 
 
 def _last_line(text: str) -> str:
@@ -52,26 +117,43 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
+def _standard_start_method() -> None:
+    """A spawned child sets its parent's default start method from the parent's data; in a
+    joblib (loky) worker that is "loky", which a plain spawned child does not know and dies on.
+    Jobs of a sweep run in loky workers under hydra/launcher=joblib: reset it there."""
+    if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork",
+                                                                 "forkserver"):
+        multiprocessing.set_start_method("spawn", force=True)
+
+
 def launch(cfg: dict[str, Any], run_dir: Path) -> None:
     if under_torchrun():
-        worker_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, str(run_dir),
-                    store_port=None)
+        rank = int(os.environ["RANK"])
+        try:
+            worker_main(rank, int(os.environ["WORLD_SIZE"]), cfg, str(run_dir), store_port=None)
+        except Exception as e:  # the traceback is in logs/rank<r>.log
+            raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
         return
     world = cfg["trainer"]["devices"]
     timeout = timedelta(seconds=cfg["trainer"]["timeout_s"])
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timeout)
+    _standard_start_method()
     watch = Watch()
-    previous = {sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
+    watching = threading.current_thread() is threading.main_thread()  # signals: main only
+    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
+                if watching else {})
     try:
         # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
         # Ctrl-C while they import prints no tracebacks. The launcher forwards it as SIGTERM.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if watching:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             ctx = mp.start_processes(worker_main, args=(world, cfg, str(run_dir), store.port),
                                      nprocs=world, start_method="spawn", join=False)
         finally:
-            signal.signal(signal.SIGINT, watch.on_signal)
+            if watching:
+                signal.signal(signal.SIGINT, watch.on_signal)
         watch.supervise(ctx, store)
     finally:
         for sig, handler in previous.items():

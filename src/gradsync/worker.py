@@ -19,14 +19,15 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsync import checkpoint, trainstate
 from gradsync.comm import install_counting_hook
 from gradsync.config import build_optimizer
-from gradsync.data import build_data, evaluate, loss_sum, train_loader
+from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
 from gradsync.faults import PROCESS_FLAG, StopAgreement, record_failure, signal_name
 from gradsync.loop import Parts, Progress, train
 from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.metrics import RunLog, peak_rss_mb
 from gradsync.models import build_model
+from gradsync.normalize import build_normalizer
 from gradsync.policies import build_policy
-from gradsync.precision import Precision
+from gradsync.precision import build_precision
 from gradsync.repro import seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
 
@@ -64,8 +65,9 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
     seed_everything(seed)  # the same on every rank and for every world size: model init
     data = build_data(dcfg, seed)
     micro = dcfg["micro_batch_size"]
-    loader, sampler = train_loader(data.train, micro, rank, world_size, seed, tr["num_workers"])
-    model = build_model(cfg["model"], data.in_dim, data.out_dim).to(device)
+    loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
+                                   tr["num_workers"])
+    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
     ddp = DistributedDataParallel(
         model,
@@ -73,12 +75,17 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         gradient_as_bucket_view=tr["gradient_as_bucket_view"],
         bucket_cap_mb=tr["bucket_cap_mb"],
     )
-    policy = build_policy(cfg["sync"])
-    counts = install_counting_hook(ddp)
+    precision = build_precision(cfg["precision"], device.type)
+    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
+    counts = install_counting_hook(ddp, policy.comm_hook())
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
-    pcfg = cfg["precision"]
+    # configs built by hand (tests) may lack the loss group: auto, as its default
+    normalizer = build_normalizer(cfg.get("loss", {}).get("normalize", "auto"), data.task,
+                                  lambda y: loss_units(data.task, y), world_size, device,
+                                  data.tokens_per_sample)
+    per_sequence = normalizer.name == "samples"  # token data: every sequence weighs the same
     return Parts(
         ddp=ddp,
         optimizer=optimizer,
@@ -87,10 +94,10 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         sampler=sampler,
         schedule=schedule,
         policy=policy,
-        precision=Precision(pcfg["name"], device.type, pcfg["init_scale"],
-                            pcfg["growth_interval"]),
-        loss_fn=lambda out, y: loss_sum(data.task, out, y),
-        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device),
+        precision=precision,
+        loss_fn=lambda out, y: loss_sum(data.task, out, y, per_sequence),
+        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device,
+                                  collate=data.collate),
         counts=counts,
         device=device,
         world_size=world_size,
@@ -101,8 +108,9 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         log_every=tr["log_every"],
         eval_every=tr["eval_every"],
         clip_grad_norm=tr["clip_grad_norm"],
+        normalizer=normalizer,
         checkpoint_every=tr["checkpoint_every"],
-        check_finite=pcfg["name"] == "fp32",
+        check_finite=precision.name == "fp32",
         fail_at_step=tr["fail_at_step"],
     )
 
@@ -134,7 +142,7 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
         log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
     run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
-                     progress_bar=tr["progress_bar"], start_step=state.step)
+                     progress_bar=tr["progress_bar"], start_window=state.windows)
     try:
         state = train(p, state, run_log)
         summary = summarize(cfg, p, state)
@@ -169,7 +177,9 @@ def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int) -> Path | N
 def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
-    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb()]
+    o = p.policy.overflow
+    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
@@ -185,10 +195,17 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "allreduce_calls": [g[1] for g in gathered],
         "allreduce_bytes": [g[2] for g in gathered],
         "peak_rss_mb": max(g[3] for g in gathered),
+        "windows": state.windows,
+        "amp_skipped_steps": state.skipped_steps,
+        "amp_final_scale": p.precision.scale,
+        "amp_aborted_windows": [g[4] for g in gathered],
+        "allreduce_skipped": [g[5] for g in gathered],
+        "overflow_flag_allreduces": [g[6] for g in gathered],
         "world_size": p.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.micro_batch_size,
         "sync_policy": p.policy.name,
+        "loss_normalize": p.normalizer.name,
         "precision": p.precision.name,
         "backend": dist.get_backend(),
         "seed": cfg["seed"],
