@@ -20,6 +20,11 @@ EXACT_RESUME = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64"
                 "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",
                 "trainer.progress_bar=false"]
 STEPS_PER_EPOCH = 5
+# what summary.json holds that a resumed run must reproduce exactly (timings aside)
+SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval",
+        "sync_backwards", "allreduce_calls", "allreduce_bytes", "amp_skipped_steps",
+        "amp_final_scale", "amp_aborted_windows", "allreduce_skipped",
+        "overflow_flag_allreduces")
 
 
 def plain_cfg(overrides: list[str]) -> dict:
@@ -30,5 +35,7 @@ def plain_cfg(overrides: list[str]) -> dict:
 
 
 def losses(rows: list[dict]) -> list[tuple]:
-    """What must match bitwise in metrics.jsonl: everything a row holds except its timing."""
-    return [(r["step"], r["epoch"], r["samples"], r["lr"], r["loss"]) for r in rows]
+    """What must match bitwise in metrics.jsonl: everything a row holds except its timing
+    (floats as hex: exact, and a NaN, the loss of an aborted fp16 window, equals itself)."""
+    return [(r["window"], r["step"], r["stepped"], r["epoch"], r["samples"], r["lr"].hex(),
+             r["loss"].hex()) for r in rows]

@@ -11,60 +11,68 @@ import pytest
 import torch
 
 import dist_cases
-from configs import EXACT_RESUME, STEPS_PER_EPOCH, losses, plain_cfg
+from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
 from gradsync import checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 EXACT = [*EXACT_RESUME, "trainer.max_epochs=4", "trainer.log_every=3",
          "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]
-STEPS = 4 * STEPS_PER_EPOCH
+WINDOWS = 4 * STEPS_PER_EPOCH
+# fp16 with a GradScaler that starts too high and grows back every 3 steps: windows overflow
+# (amp_aware aborts them on every rank) and their steps are skipped, so the scaler's state, the
+# skipped-step count and the overflow counters must all survive a resume.
+PRECISIONS = {"fp32": [], "fp16": ["precision=fp16", "precision.init_scale=4194304.0",
+                                   "precision.growth_interval=3", "sync=amp_aware"]}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(pool2, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(EXACT), str(run_dir))
-    return run_dir, r0
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def uninterrupted(request, pool2, tmp_path_factory):
+    overrides = [*EXACT, *PRECISIONS[request.param]]
+    run_dir = tmp_path_factory.mktemp(f"uninterrupted_{request.param}")
+    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(overrides), str(run_dir))
+    assert r0["summary"]["windows"] == WINDOWS
+    assert [r["window"] for r in r0["rows"]] == list(range(1, WINDOWS + 1))
+    if request.param == "fp16":
+        assert r0["summary"]["amp_skipped_steps"] >= 2
+        assert r0["summary"]["amp_aborted_windows"][0] >= 1
+    return overrides, run_dir, r0
 
 
 def test_the_same_config_twice_gives_the_same_bits(pool2, uninterrupted, tmp_path):
-    _, first = uninterrupted
-    second, r1 = pool2.run(dist_cases.train_run_rows, plain_cfg(EXACT), str(tmp_path))
-    assert first["summary"]["optimizer_steps"] == STEPS
+    overrides, _, first = uninterrupted
+    second, r1 = pool2.run(dist_cases.train_run_rows, plain_cfg(overrides), str(tmp_path))
     assert losses(second["rows"]) == losses(first["rows"])
-    assert [r["step"] for r in first["rows"]] == list(range(1, STEPS + 1))
+    assert {k: second["summary"][k] for k in SAME} == {k: first["summary"][k] for k in SAME}
     for name, value in first["params"].items():
         assert torch.equal(second["params"][name], value), name
     assert second["deterministic"] and r1["deterministic"]  # trainer.deterministic: on for CPU
     # a different seed really changes the run (the comparison above has teeth)
-    other, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, "seed=8"]),
+    other, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*overrides, "seed=8"]),
                          str(tmp_path / "other"))
     assert losses(other["rows"]) != losses(first["rows"])
 
 
-@pytest.mark.parametrize("step", [4, 6, 10], ids=["before-partial-window", "mid-epoch",
-                                                  "epoch-boundary"])
+@pytest.mark.parametrize("step", [4, 6, 10])
 def test_resuming_from_a_checkpoint_ends_bitwise_where_the_uninterrupted_run_ends(
         pool2, uninterrupted, tmp_path, step):
-    ref_dir, ref = uninterrupted
+    """Checkpoints inside an epoch, before its partial last window, at an epoch boundary."""
+    overrides, ref_dir, ref = uninterrupted
     ckpt = checkpoint.step_path(ref_dir / "checkpoints", step)
     state = checkpoint.load(ckpt)
-    assert state["progress"]["step"] == step and len(state["ranks"]) == 2
+    progress = state["progress"]
+    assert progress["step"] == step and len(state["ranks"]) == 2
+    assert (progress["epoch"], progress["epoch_step"]) == divmod(progress["windows"],
+                                                                 STEPS_PER_EPOCH)
     # the two ranks' RNG streams differ (seeded from seed and rank)
     assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
-    progress = state["progress"]
-    assert (progress["epoch"], progress["epoch_step"]) == divmod(step, STEPS_PER_EPOCH)
 
     # the resumed run has its own dir: it only holds the rows from the checkpoint on
-    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, f"resume={ckpt}"]),
+    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*overrides, f"resume={ckpt}"]),
                        str(tmp_path))
     assert out["summary"]["resumed_from"] == str(ckpt)
-    assert out["summary"]["optimizer_steps"] == STEPS
-    assert out["summary"]["samples_seen"] == ref["summary"]["samples_seen"]
-    assert losses(out["rows"]) == losses(ref["rows"])[step:]
-    assert out["summary"]["final_train_loss"] == ref["summary"]["final_train_loss"]
-    assert out["summary"]["eval"] == ref["summary"]["eval"]
+    assert losses(out["rows"]) == losses(ref["rows"])[progress["windows"]:]
+    assert {k: out["summary"][k] for k in SAME} == {k: ref["summary"][k] for k in SAME}
     for name, value in ref["params"].items():
         assert torch.equal(out["params"][name], value), name
 
@@ -73,19 +81,20 @@ def test_resume_auto_in_the_run_dir_truncates_the_rows_after_the_checkpoint(
         pool2, uninterrupted, tmp_path):
     """A run dir whose newest checkpoint is older than its last logged rows (killed between
     the two): resume=auto drops the rows after the checkpoint and logs them again, once."""
-    ref_dir, ref = uninterrupted
+    overrides, ref_dir, ref = uninterrupted
     (tmp_path / "checkpoints").mkdir()
-    for name in ("step_00000012.pt", "step_00000012.json"):
+    for name in ("step_00000008.pt", "step_00000008.json"):
         (tmp_path / "checkpoints" / name).write_bytes((ref_dir / "checkpoints" / name)
                                                       .read_bytes())
     lines = (ref_dir / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:15]) + "\n" + lines[15][:20])
-    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, "resume=auto"]),
+    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*overrides, "resume=auto"]),
                        str(tmp_path))
     assert losses(out["rows"]) == losses(ref["rows"])
+    steps = ref["summary"]["optimizer_steps"]
     kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
-    assert kept[0] == "step_00000012.pt" and kept[-1] == f"step_{STEPS:08d}.pt"
-    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == STEPS
+    assert kept[0] == "step_00000008.pt" and kept[-1] == f"step_{steps:08d}.pt"
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == steps
 
 
 def test_a_non_finite_fp32_loss_stops_the_run_naming_the_step(pool2, tmp_path):

@@ -240,8 +240,8 @@ def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     store = init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
-    log.info("rank %d/%d up: pid=%d backend=%s threads=%d", rank, world_size, os.getpid(),
-             backend, threads)
+    log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
+             os.getpid())
     try:
         run_training(cfg, run_path)
     except Exception as e:
