@@ -71,10 +71,13 @@ def train_run(cfg: dict, run_dir: str) -> dict:
     return {"summary": summary, "params": params}
 
 
-def train_run_rows(cfg: dict, run_dir: str) -> dict:
-    """train_run plus the rows of metrics.jsonl and every parameter (rank 0)."""
+def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
+    """train_run plus the rows of metrics.jsonl (rank 0). dir_per_rank: each rank gets
+    run_dir/rank<r>, as nodes without a shared disk would under torchrun."""
     import json
 
+    if dir_per_rank:
+        run_dir = f"{run_dir}/rank{dist.get_rank()}"
     out = train_run(cfg, run_dir)
     if dist.get_rank() == 0:
         text = (Path(run_dir) / "metrics.jsonl").read_text()

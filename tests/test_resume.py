@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -121,3 +122,22 @@ def test_ranks_agree_to_stop_one_step_after_a_flag_without_blocking(pool2):
     assert pool2.run(dist_cases.agree_on_stop, 10, 1, 3) == [4, 4]
     assert pool2.run(dist_cases.agree_on_stop, 10, 0, 0) == [1, 1]
     assert pool2.run(dist_cases.agree_on_stop, 5, 0, 99) == [-1, -1]
+
+
+def test_every_rank_starts_from_the_checkpoint_rank_0_chose(pool2, uninterrupted, tmp_path):
+    """Under torchrun each node's job picks a checkpoint in its own run dir: here rank 0's dir
+    holds the checkpoints and rank 1's holds none. Rank 1 must resume from rank 0's choice, not
+    start afresh (it reads it on the shared disk), or nothing would match."""
+    overrides, ref_dir, ref = uninterrupted
+    shutil.copytree(ref_dir / "checkpoints", tmp_path / "rank0" / "checkpoints")
+    (tmp_path / "rank0" / "checkpoints" / "last.pt").unlink()
+    newest = checkpoint.complete(tmp_path / "rank0" / "checkpoints")[0]
+    newest.unlink()  # resume from the one before the end, so that there is training to match
+    newest.with_suffix(".json").unlink()
+    chosen = str(checkpoint.complete(tmp_path / "rank0" / "checkpoints")[0])
+    out, r1 = pool2.run(dist_cases.train_run_rows, plain_cfg([*overrides, "resume=auto"]),
+                        str(tmp_path), True)
+    assert out["summary"]["resumed_from"] == r1["summary"]["resumed_from"] == chosen
+    assert {k: out["summary"][k] for k in SAME} == {k: ref["summary"][k] for k in SAME}
+    for name, value in ref["params"].items():
+        assert torch.equal(out["params"][name], value), name

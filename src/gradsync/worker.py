@@ -136,7 +136,7 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
     p.checkpoint = save
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
-    resumed_from = resume_path(cfg, run_dir, world_size)
+    resumed_from = resume_path(cfg, run_dir, world_size, control)
     state = Progress()
     if resumed_from is not None:
         state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
@@ -163,15 +163,29 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int) -> Path | None:
-    """The job resolves `resume` to a checkpoint path (or none) before it starts the workers;
-    callers of run_training that pass `auto` get the same resolution here."""
+def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int,
+                group: Any) -> Path | None:
+    """The checkpoint every rank starts from: rank 0's choice. The job resolves `resume` to a
+    path (or none) before it starts the workers; callers of run_training that pass `auto` get
+    the same resolution here. Under torchrun each node's job resolved it on its own disk."""
     resume = cfg["resume"]
-    if resume == "none":
-        return None
+    mine = None
     if resume == "auto":
-        return checkpoint.resolve_resume(resume, run_dir, cfg, world_size, notes=[])
-    return Path(resume)
+        mine = checkpoint.resolve_resume(resume, run_dir, cfg, world_size, notes=[])
+    elif resume != "none":
+        mine = Path(resume)
+    if world_size == 1:
+        return mine
+    chosen = [str(mine) if mine else None]
+    dist.broadcast_object_list(chosen, src=0, group=group)
+    path = Path(chosen[0]) if chosen[0] else None
+    readable: list[Any] = [None] * world_size
+    dist.all_gather_object(readable, path is None or path.is_file(), group=group)
+    blind = [r for r, ok in enumerate(readable) if not ok]
+    if blind:  # every rank raises alike: none is left waiting in a collective
+        raise checkpoint.ResumeError(f"ranks {blind} cannot read rank 0's checkpoint {path}: "
+                                     "resuming across nodes needs a shared filesystem")
+    return path
 
 
 def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
