@@ -64,7 +64,7 @@ class Parts:
     clip_grad_norm: float  # 0: off
     normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
     # --- checkpoints and faults (the worker fills these; the defaults train without them)
-    checkpoint: Callable[[Progress], None] = lambda state: None  # collective: every rank
+    checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
     stop: StopAgreement | None = None  # None: signals are not watched
     check_finite: bool = False  # a non-finite loss stops the run (fp32)
@@ -245,7 +245,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                 steps.flush(state, None)  # a checkpoint covers every row up to its step
                 if p.check_finite:
                     require_finite_parameters(p.ddp, state.step)
-                p.checkpoint(state)
+                p.checkpoint(p, state)
             if stop or finished:
                 break
     steps.flush(state, None)

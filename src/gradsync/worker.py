@@ -129,7 +129,7 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                if world_size > 1 else None)
     ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
-    def save(state: Progress) -> None:
+    def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
         out = trainstate.capture(p, state, cfg, control)
         if out is not None:
             checkpoint.write(out, ckpt_dir, tr["keep_checkpoints"])
