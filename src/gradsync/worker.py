@@ -136,28 +136,31 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
     p.checkpoint = save
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
-    resumed_from = resume_path(cfg, run_dir, world_size, control)
-    state = Progress()
-    if resumed_from is not None:
-        state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
-        log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
-    run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
-                     progress_bar=tr["progress_bar"], start_window=state.windows)
     try:
-        state = train(p, state, run_log)
-        summary = summarize(cfg, p, state)
-        newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []
-        summary.update(status="interrupted" if p.stop.agreed else "completed",
-                       stopped_by=signal_name(p.stop.agreed) if p.stop.agreed else None,
-                       checkpoint=str(newest[0]) if newest else None,
-                       resumed_from=str(resumed_from) if resumed_from else None)
-        run_log.summary(summary)
-        if p.stop.agreed:
-            log.info("stopped by %s after optimizer step %d", summary["stopped_by"], state.step)
-        if rank == 0 and newest:
-            checkpoint.link_last(newest[0])
+        resumed_from = resume_path(cfg, run_dir, world_size, control)
+        state = Progress()
+        if resumed_from is not None:
+            state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
+            log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
+        run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
+                         progress_bar=tr["progress_bar"], start_window=state.windows)
+        try:
+            state = train(p, state, run_log)
+            summary = summarize(cfg, p, state)
+            newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []
+            summary.update(status="interrupted" if p.stop.agreed else "completed",
+                           stopped_by=signal_name(p.stop.agreed) if p.stop.agreed else None,
+                           checkpoint=str(newest[0]) if newest else None,
+                           resumed_from=str(resumed_from) if resumed_from else None)
+            run_log.summary(summary)
+            if p.stop.agreed:
+                log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
+                         state.step)
+            if rank == 0 and newest:
+                checkpoint.link_last(newest[0])
+        finally:
+            run_log.close()
     finally:
-        run_log.close()
         if control is not None:
             dist.destroy_process_group(control)
     return summary
