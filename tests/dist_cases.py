@@ -71,6 +71,53 @@ def train_run(cfg: dict, run_dir: str) -> dict:
     return {"summary": summary, "params": params}
 
 
+def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
+    """train_run plus the rows of metrics.jsonl (rank 0). dir_per_rank: each rank gets
+    run_dir/rank<r>, as nodes without a shared disk would under torchrun."""
+    import json
+
+    if dir_per_rank:
+        run_dir = f"{run_dir}/rank{dist.get_rank()}"
+    out = train_run(cfg, run_dir)
+    if dist.get_rank() == 0:
+        text = (Path(run_dir) / "metrics.jsonl").read_text()
+        out["rows"] = [json.loads(line) for line in text.splitlines()]
+    out["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    return out
+
+
+def train_run_expecting(cfg: dict, run_dir: str, error: str) -> str:
+    """Runs training that must raise `error` (a class name) on every rank; returns its text
+    (the pool stays usable: no rank is left in a collective)."""
+    try:
+        run_training(cfg, Path(run_dir))
+    except Exception as e:
+        if type(e).__name__ != error:
+            raise
+        return str(e)
+    raise AssertionError(f"training did not raise {error}")
+
+
+def agree_on_stop(polls: int, flag_rank: int, flag_at: int) -> int:
+    """Polls a StopAgreement once per 'step'; rank flag_rank raises its flag before poll
+    flag_at. Returns the poll at which this rank is told to stop (-1: never)."""
+    from gradsync.faults import StopAgreement, StopFlag
+
+    flag = StopFlag()
+    group = dist.new_group(backend="gloo")
+    agreement = StopAgreement(flag, group, dist.get_world_size(), interval_s=0.0)
+    stopped_at = -1
+    for i in range(polls):
+        if dist.get_rank() == flag_rank and i == flag_at:
+            flag.signum = 15
+        if agreement.poll():
+            stopped_at = i
+            break
+    agreement.close()
+    dist.destroy_process_group(group)
+    return stopped_at
+
+
 # --- token-normalised windows (tests/test_lm.py) ----------------------------------------------
 LM_VOCAB = 11
 # [rank][micro-batch] -> sequence lengths. Every rank holds the same number of sequences (as

@@ -30,6 +30,7 @@ class MLPConfig:
     name: str = "mlp"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
     activation: str = "relu"  # relu | gelu | tanh
+    dropout: float = 0.0  # after each hidden activation
 
 
 @dataclass
@@ -173,6 +174,11 @@ class TrainerConfig:
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float = 25.0
     timeout_s: int = 300  # process-group timeout
+    deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
+    checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
+    keep_checkpoints: int = 3  # the newest K step checkpoints stay
+    num_workers: int = 0  # DataLoader worker processes per rank
+    fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
@@ -201,6 +207,7 @@ class Config:
     lr_scheduler: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
+    resume: str = "none"  # none | auto | a checkpoint file or run dir
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -288,6 +295,16 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     _require(tr["threads_per_worker"] >= 0, "trainer.threads_per_worker",
              "an integer >= 0 (0: automatic)", tr["threads_per_worker"])
     _require(tr["timeout_s"] >= 1, "trainer.timeout_s", "an integer >= 1", tr["timeout_s"])
+    _require(tr["checkpoint_every"] >= 0, "trainer.checkpoint_every",
+             "an integer >= 0 (0: only at the end)", tr["checkpoint_every"])
+    _require(tr["keep_checkpoints"] >= 1, "trainer.keep_checkpoints", "an integer >= 1",
+             tr["keep_checkpoints"])
+    _require(tr["num_workers"] >= 0, "trainer.num_workers", "an integer >= 0",
+             tr["num_workers"])
+    _require(tr["fail_at_step"] == -1 or tr["fail_at_step"] >= 1, "trainer.fail_at_step",
+             "-1 (never) or an integer >= 1", tr["fail_at_step"])
+    _require(cfg["resume"] in ("none", "auto") or os.path.exists(cfg["resume"]), "resume",
+             "none, auto, or the path of a checkpoint file or run dir", cfg["resume"])
     backends = ("auto", "gloo", "nccl")
     _require(tr["backend"] in backends, "trainer.backend", f"one of {', '.join(backends)}",
              tr["backend"])
@@ -325,6 +342,9 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     if act is not None:
         _require(act in ("relu", "gelu", "tanh"), "model.activation", "one of relu, gelu, tanh",
                  act)
+    if "dropout" in cfg["model"]:
+        _require(0.0 <= cfg["model"]["dropout"] < 1.0, "model.dropout", "a number in [0, 1)",
+                 cfg["model"]["dropout"])
     if "hidden_sizes" in cfg["model"]:
         _require(all(h >= 1 for h in cfg["model"]["hidden_sizes"]), "model.hidden_sizes",
                  "a list of integers >= 1", cfg["model"]["hidden_sizes"])

@@ -25,11 +25,27 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def keep_rows_through(path: Path, window: int) -> None:
+    """Rewrite metrics.jsonl with its rows up to `window` only (a torn last line dropped)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["window"] <= window:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RunLog:
     """Rank 0's writer; ``RunLog(run_dir, active=False)`` on the other ranks."""
 
     def __init__(self, run_dir: Path, active: bool, total_steps: int = 0,
-                 progress_bar: bool = False):
+                 progress_bar: bool = False, start_window: int = 0):
         self.active = active
         self.run_dir = run_dir
         self.tb: Any = None
@@ -39,13 +55,15 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        # A run continued from window w drops what an earlier attempt logged after w.
+        keep_rows_through(run_dir / "metrics.jsonl", start_window)
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_window + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                            mininterval=0.5)
+            self.bar = tqdm(total=total_steps, initial=start_window, desc="train", unit="step",
+                            dynamic_ncols=True, mininterval=0.5)
 
     def steps(self, rows: list[dict[str, Any]]) -> None:
         """One row per optimizer step (written in batches at log points)."""

@@ -12,10 +12,13 @@ ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
 
 class MLP(nn.Sequential):
-    def __init__(self, in_dim: int, hidden_sizes: list[int], out_dim: int, activation: str):
+    def __init__(self, in_dim: int, hidden_sizes: list[int], out_dim: int, activation: str,
+                 dropout: float = 0.0):
         layers: list[nn.Module] = []
         for width in hidden_sizes:
             layers += [nn.Linear(in_dim, width), ACTIVATIONS[activation]()]
+            if dropout:
+                layers.append(nn.Dropout(dropout))  # draws from each rank's own stream
             in_dim = width
         layers.append(nn.Linear(in_dim, out_dim))
         super().__init__(*layers)
@@ -69,7 +72,8 @@ def build_model(cfg: dict[str, Any], in_dim: int, out_dim: int, max_len: int = 0
     """in_dim/out_dim: features and outputs, or the vocabulary size twice for token data;
     max_len: the longest token sequence (token data only)."""
     if cfg["name"] == "mlp":
-        return MLP(in_dim, list(cfg["hidden_sizes"]), out_dim, cfg["activation"])
+        return MLP(in_dim, list(cfg["hidden_sizes"]), out_dim, cfg["activation"],
+                   cfg["dropout"])
     if cfg["name"] == "transformer":
         return Transformer(in_dim, max_len, cfg["d_model"], cfg["n_layers"], cfg["n_heads"],
                            cfg["mlp_ratio"])

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gradsync import sweep
-from gradsync.config import ConfigError, register_configs, schema_keys, to_plain, validate
+from gradsync.checkpoint import ResumeError, resolve_resume
+from gradsync.config import (
+    ConfigError,
+    register_configs,
+    resolve_world_size,
+    schema_keys,
+    to_plain,
+    validate,
+)
 from gradsync.launch import (
+    Interrupted,
     WorkerFailed,
     adopt_submitit_ranks,
     job_rank,
@@ -33,6 +43,8 @@ from gradsync.launch import (
     under_torchrun,
 )
 from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
+from gradsync.repro import run_info, write_run_info
+from gradsync.worker import pick_backend
 
 register_configs()
 # Under torchrun and submitit every rank runs this app: conf/config.yaml names the run dir with
@@ -54,15 +66,26 @@ def hydra_main(cfg: DictConfig) -> dict:
     except ConfigError as e:
         if hc.mode == RunMode.RUN:
             _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "config error", str(e), 2)
+        return _fail(hc.mode, run_dir, "config error", str(e), 2, record=_is_new(run_dir))
+    try:
+        _resolve_resume(plain, run_dir)
+    except ResumeError as e:
+        if hc.mode == RunMode.RUN:
+            _remove_if_only_hydra(run_dir)
+        return _fail(hc.mode, run_dir, "resume refused", str(e), 2, record=_is_new(run_dir))
     started = time.perf_counter()
     try:
         launch(plain, run_dir)
     except WorkerFailed as e:
         return _fail(hc.mode, run_dir, "training failed", str(e), 1)
+    except Interrupted as e:
+        print(f"gradsync: {e}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
     if job_rank() != 0:
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
+    if summary["status"] == "interrupted":
+        _stopped(run_dir, summary)
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
     write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
@@ -71,11 +94,13 @@ def hydra_main(cfg: DictConfig) -> dict:
     return summary
 
 
-def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int) -> dict:
+def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
+          record: bool = True) -> dict:
     """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
-    goes on (SweepSummary makes it exit 1 at the end)."""
+    goes on (SweepSummary makes it exit 1 at the end). record=False leaves the run dir's
+    summary.json alone."""
     failed = {"status": "failed", "error": f"{kind}: {message}"}
-    if run_dir.is_dir() and job_rank() == 0:
+    if record and run_dir.is_dir() and job_rank() == 0:
         write_json_atomic(run_dir / "summary.json", failed)
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
@@ -100,6 +125,41 @@ class SweepSummary(Callback):
             print(f"gradsync: sweep: {result.failed} of {result.jobs} jobs failed; see "
                   f"{sweep_dir / 'sweep_summary.md'}", file=sys.stderr, flush=True)
             sys.exit(1)
+
+
+def _is_new(run_dir: Path) -> bool:
+    """A start refused in a run dir that holds an earlier run's outputs must not overwrite
+    them."""
+    return not (run_dir / "summary.json").exists()
+
+
+def _resolve_resume(plain: dict, run_dir: Path) -> None:
+    """Pick the checkpoint to start from (refusing incompatible ones), hand the workers its
+    path in place of `resume`, and record run_info.json."""
+    notes: list[str] = []
+    world = resolve_world_size(plain)
+    try:
+        path = resolve_resume(plain["resume"], run_dir, plain, world, notes)
+    finally:
+        for note in notes:
+            print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
+    plain["resume"] = str(path) if path else "none"
+    if job_rank() == 0:
+        if path:
+            print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
+                        world, str(path) if path else None)
+        write_run_info(run_dir / "run_info.json", info)
+
+
+def _stopped(run_dir: Path, s: dict) -> None:
+    """A run stopped by SIGTERM/SIGINT after checkpointing: say where, and how to go on."""
+    print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
+          f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n"
+          f"  continue with: gradsync-train resume=auto hydra.run.dir={run_dir} "
+          "(and the same overrides)", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.Signals[s["stopped_by"]])
 
 
 def _report(run_dir: Path, s: dict) -> None:
@@ -156,6 +216,9 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
+    except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
+        print("gradsync: interrupted before training started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except Exception as e:
         if user_wants_traceback:
             raise
