@@ -31,8 +31,8 @@ lint: install ## ruff and mypy
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
-sweep: install ## multirun over accumulation steps
-	$(BIN)/gradsync-train -m schedule.accum_steps=1,2,4,8 $(ARGS)
+sweep: install ## multirun N=1,2,4,8 (experiment=accum_sweep); summary, plot in the sweep dir
+	$(BIN)/gradsync-train -m experiment=accum_sweep $(ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP) requirements-bench.lock

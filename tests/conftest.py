@@ -57,14 +57,26 @@ def single_process_group():
     # left for interpreter exit: other session fixtures may still use it
 
 
-@pytest.fixture
-def cli_env():
+def cli_environ() -> dict[str, str]:
+    """The environment of a gradsync-train subprocess: not a rank of anything."""
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "SUBMITIT_EXECUTOR"):
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def cli_env():
+    return cli_environ()
+
+
+@pytest.fixture(scope="module")
+def cli_env_module():
+    """cli_env for module-scoped fixtures (a sweep run once, checked by several tests)."""
+    return cli_environ()
 
 
 def pytest_configure(config):

@@ -11,9 +11,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint
 from gradsync.comm import install_counting_hook
-from gradsync.data import loss_sum
+from gradsync.data import loss_sum, loss_units, pad_batch
 from gradsync.loop import run_window
-from gradsync.models import MLP
+from gradsync.models import MLP, Transformer
+from gradsync.normalize import build_normalizer
 from gradsync.policies import build_policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
@@ -68,3 +69,92 @@ def train_run(cfg: dict, run_dir: str) -> dict:
     if dist.get_rank() == 0:
         params = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
     return {"summary": summary, "params": params}
+
+
+def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
+    """train_run plus the rows of metrics.jsonl (rank 0). dir_per_rank: each rank gets
+    run_dir/rank<r>, as nodes without a shared disk would under torchrun."""
+    import json
+
+    if dir_per_rank:
+        run_dir = f"{run_dir}/rank{dist.get_rank()}"
+    out = train_run(cfg, run_dir)
+    if dist.get_rank() == 0:
+        text = (Path(run_dir) / "metrics.jsonl").read_text()
+        out["rows"] = [json.loads(line) for line in text.splitlines()]
+    out["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    return out
+
+
+def train_run_expecting(cfg: dict, run_dir: str, error: str) -> str:
+    """Runs training that must raise `error` (a class name) on every rank; returns its text
+    (the pool stays usable: no rank is left in a collective)."""
+    try:
+        run_training(cfg, Path(run_dir))
+    except Exception as e:
+        if type(e).__name__ != error:
+            raise
+        return str(e)
+    raise AssertionError(f"training did not raise {error}")
+
+
+def agree_on_stop(polls: int, flag_rank: int, flag_at: int) -> int:
+    """Polls a StopAgreement once per 'step'; rank flag_rank raises its flag before poll
+    flag_at. Returns the poll at which this rank is told to stop (-1: never)."""
+    from gradsync.faults import StopAgreement, StopFlag
+
+    flag = StopFlag()
+    group = dist.new_group(backend="gloo")
+    agreement = StopAgreement(flag, group, dist.get_world_size(), interval_s=0.0)
+    stopped_at = -1
+    for i in range(polls):
+        if dist.get_rank() == flag_rank and i == flag_at:
+            flag.signum = 15
+        if agreement.poll():
+            stopped_at = i
+            break
+    agreement.close()
+    dist.destroy_process_group(group)
+    return stopped_at
+
+
+# --- token-normalised windows (tests/test_lm.py) ----------------------------------------------
+LM_VOCAB = 11
+# [rank][micro-batch] -> sequence lengths. Every rank holds the same number of sequences (as
+# the DistributedSampler ensures) but very different token counts (rank 0: 31+2 then 1+2 loss
+# tokens; rank 1: 4+3 then 39+32), so per-micro-batch means weigh tokens very unequally.
+LM_LENGTHS = [[[32, 3], [2, 3]], [[5, 4], [40, 33]]]
+
+
+def lm_window_batches(lengths=LM_LENGTHS) -> list[list[list[torch.Tensor]]]:
+    """[rank][micro] -> list of token sequences, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    return [[[torch.randint(0, LM_VOCAB, (n,), generator=g) for n in micro] for micro in rank]
+            for rank in lengths]
+
+
+def tiny_lm(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(LM_VOCAB, 40, d_model=8, n_layers=1, n_heads=2, mlp_ratio=2)
+
+
+def lm_window_grad(normalize: str, precision: str = "fp32",
+                   tokens_per_sample: float = 20.0) -> dict:
+    """One window through the loop's real run_window, then the scaler's unscale and the
+    normaliser's rescale, as optimizer_step does; returns this rank's gradient and loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DistributedDataParallel(tiny_lm(), gradient_as_bucket_view=True)
+    mine = [pad_batch(seqs) for seqs in lm_window_batches()[rank]]
+    samples = sum(len(x) for x, _ in mine)
+    norm = build_normalizer(normalize, "lm", lambda y: loss_units("lm", y), world,
+                            torch.device("cpu"), tokens_per_sample)
+    prec = Precision(precision, "cpu")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples),
+                      build_policy({"name": "accumulate"}), prec,
+                      lambda out, y: loss_sum("lm", out, y, per_sequence=normalize == "samples"),
+                      torch.device("cpu"), norm)
+    prec.unscale(opt)
+    norm.before_step(ddp.parameters())
+    grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])
+    return {"grad": grad, "loss": float(loss), "scale": prec.scale}

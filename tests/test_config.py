@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from torch.utils.data import default_collate
 
 from gradsync.config import ConfigError, register_configs, to_plain, validate
 from gradsync.data import build_data
@@ -22,7 +23,10 @@ from gradsync.train import CONF_DIR
 
 register_configs()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
-          "lr_scheduler"]
+          "lr_scheduler", "loss"]
+# token data and the transformer only go together
+COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
+              ("model", "transformer"): "data=synthetic_lm"}
 
 
 def options(group: str) -> list[str]:
@@ -40,15 +44,18 @@ ALL = [(g, o) for g in GROUPS for o in options(g)]
 @pytest.mark.parametrize("group,option", ALL, ids=[f"{g}={o}" for g, o in ALL])
 def test_every_option_composes_validates_and_builds(group, option):
     overrides = [f"{group}={option}"]
+    if (group, option) in COMPANIONS:
+        overrides.append(COMPANIONS[group, option])
     if group == "schedule" and option == "global_batch":
         overrides.append("schedule.global_batch_size=64")  # 2 ranks x micro 16 x 2
     cfg = compose_plain(overrides)
     validate(cfg, cuda_available=False)
     data = build_data({**cfg["data"], **({"num_samples": 64} if "num_samples" in cfg["data"]
                                          else {})}, cfg["seed"])
-    model = build_model(cfg["model"], data.in_dim, data.out_dim)
-    x, _ = data.train[:4]
-    assert model(x).shape == (4, data.out_dim)
+    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len)
+    x, _ = (data.collate or default_collate)([data.train[i] for i in range(4)])
+    out = model(x)
+    assert (out.shape[0], out.shape[-1]) == (4, data.out_dim)
     from gradsync.config import build_optimizer
 
     opt = build_optimizer(cfg["optimizer"], model.parameters())
@@ -97,9 +104,17 @@ BAD = [
     (["data.micro_batch_size=0"], "data.micro_batch_size=0 is not allowed"),
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always"),
     (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: devices, max_steps"),
-    (["+bogus=1"], "bogus: unknown key; allowed keys: data, lr_scheduler"),
+    (["+bogus=1"], "bogus: unknown key; allowed keys: data, loss, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["trainer.backend=mpi"], "trainer.backend='mpi' is not allowed: one of auto, gloo, nccl"),
+    (["sync=amp_aware", "sync.comm_dtype=int8"],
+     "sync.comm_dtype='int8' is not allowed: one of bf16, fp16, fp32"),
+    (["sync=amp_aware", "sync.comm_dtype=fp16"],
+     "sync.comm_dtype='fp16' needs precision=fp16, not 'fp32'"),
+    (["data=synthetic_lm"],
+     "model='mlp' is not allowed: data=synthetic_lm (token data) needs model=transformer"),
+    (["loss.normalize=tokens"], "loss.normalize='tokens' needs token data (data=synthetic_lm); "
+     "data=digits has samples: use auto or samples"),
 ]
 
 

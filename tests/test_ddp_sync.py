@@ -58,19 +58,23 @@ def synthetic_cfg(devices: int, micro: int, accum: int, sync: str = "accumulate"
     with micro 8 on 2 ranks the last micro-batch of an epoch is short (4 samples)."""
     return {
         "seed": 3,
-        "model": {"name": "mlp", "hidden_sizes": [16], "activation": "tanh"},
+        "model": {"name": "mlp", "hidden_sizes": [16], "activation": "tanh", "dropout": 0.0},
         "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.05,
                       "momentum": 0.9, "weight_decay": 0.0, "nesterov": False},
         "schedule": {"name": "constant", "accum_steps": accum},
         "sync": {"name": sync},
-        "precision": {"name": "fp32", "init_scale": 65536.0, "growth_interval": 2000},
+        "precision": {"name": "fp32", "init_scale": 65536.0, "growth_interval": 2000,
+                      "growth_factor": 2.0, "backoff_factor": 0.5},
         "data": {"name": "synthetic", "micro_batch_size": micro, "num_samples": 200,
                  "eval_samples": 64, "in_dim": 8, "out_dim": 2, "noise": 0.05},
         "trainer": {"devices": devices, "max_steps": -1, "max_epochs": 2, "log_every": 3,
                     "eval_every": 0, "backend": "gloo", "threads_per_worker": 1,
                     "progress_bar": False, "clip_grad_norm": 0.0,
-                    "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0, "timeout_s": 60},
+                    "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0, "timeout_s": 60,
+                    "deterministic": None, "checkpoint_every": 0, "keep_checkpoints": 1,
+                    "num_workers": 0, "fail_at_step": -1},
         "lr_scheduler": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+        "resume": "none",
     }
 
 

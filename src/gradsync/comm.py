@@ -24,30 +24,48 @@ class CommCounts:
     sync_backwards: int = 0
 
 
+@dataclass(frozen=True)
+class InnerHook:
+    """The all-reduce the counting hook wraps, and the dtype it puts on the wire."""
+
+    hook: Hook = default_hooks.allreduce_hook
+    state: Any = None  # the default hooks' state: the process group (None: the default group)
+    wire_dtype: torch.dtype | None = None  # None: the bucket's own dtype
+
+
+# DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.
+COMPRESS_HOOKS: dict[torch.dtype, Hook] = {
+    torch.bfloat16: default_hooks.bf16_compress_hook,
+    torch.float16: default_hooks.fp16_compress_hook,
+}
+
+
+def allreduce_in(wire_dtype: torch.dtype | None) -> InnerHook:
+    """DDP's all-reduce in wire_dtype (bf16 or fp16), or in the gradients' own dtype (None)."""
+    if wire_dtype is None:
+        return InnerHook()
+    return InnerHook(COMPRESS_HOOKS[wire_dtype], None, wire_dtype)
+
+
 @dataclass
 class CountingState:
     counts: CommCounts
-    inner_hook: Hook = default_hooks.allreduce_hook
-    inner_state: Any = None  # allreduce_hook's state: the process group (None: default)
-    wire_dtype: torch.dtype | None = None  # dtype the inner hook sends; None: the bucket's
+    inner: InnerHook
 
 
 def counting_hook(
     state: CountingState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    itemsize = (state.wire_dtype or buf.dtype).itemsize
+    itemsize = (state.inner.wire_dtype or buf.dtype).itemsize
     state.counts.allreduce_calls += 1
     state.counts.allreduce_bytes += buf.numel() * itemsize
     if bucket.is_last():
         state.counts.sync_backwards += 1
-    return state.inner_hook(state.inner_state, bucket)
+    return state.inner.hook(state.inner.state, bucket)
 
 
-def install_counting_hook(ddp, inner_hook: Hook | None = None, inner_state: Any = None,
-                          wire_dtype: torch.dtype | None = None) -> CommCounts:
+def install_counting_hook(ddp, inner: InnerHook | None = None) -> CommCounts:
     counts = CommCounts()
-    state = CountingState(counts, inner_hook or default_hooks.allreduce_hook, inner_state,
-                          wire_dtype)
-    ddp.register_comm_hook(state, counting_hook)
+    ddp.register_comm_hook(CountingState(counts, inner or InnerHook()), counting_hook)
     return counts

@@ -16,6 +16,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gradsync.normalize import CHOICES as NORMALIZE_CHOICES
+from gradsync.precision import DTYPES, autocast_runs
+
 
 class ConfigError(ValueError):
     """Bad configuration: reported as one line naming the key and what is allowed."""
@@ -27,6 +30,19 @@ class MLPConfig:
     name: str = "mlp"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
     activation: str = "relu"  # relu | gelu | tanh
+    dropout: float = 0.0  # after each hidden activation
+
+
+@dataclass
+class TransformerConfig:
+    """Decoder-only causal transformer for token data; its vocabulary and position table come
+    from the data."""
+
+    name: str = "transformer"
+    d_model: int = 32
+    n_layers: int = 2
+    n_heads: int = 2
+    mlp_ratio: int = 4
 
 
 # --- optimizer (instantiated with _partial_: the worker passes the parameters) ----------------
@@ -79,12 +95,22 @@ class SyncConfig:
     name: str = "accumulate"
 
 
+@dataclass
+class AmpAwareSyncConfig:
+    name: str = "amp_aware"
+    comm_dtype: str = "bf16"  # bf16 | fp16 (needs precision=fp16) | fp32: the all-reduce's dtype
+    overflow_consensus: bool = True  # fp16 only: abort a window as soon as any rank overflows
+
+
 # --- precision --------------------------------------------------------------------------------
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | bf16 | fp16
-    init_scale: float = 65536.0  # fp16 GradScaler only
+    # the GradScaler's settings (fp16 only)
+    init_scale: float = 65536.0
     growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -111,6 +137,28 @@ class DigitsDataConfig:
     split_seed: int = 0
 
 
+@dataclass
+class SyntheticLMDataConfig:
+    """Deterministic variable-length token sequences made from the run's seed."""
+
+    name: str = "synthetic_lm"
+    micro_batch_size: int = 8
+    num_samples: int = 2048  # training sequences
+    eval_samples: int = 256
+    vocab_size: int = 32
+    min_len: int = 4  # tokens per sequence, drawn uniformly in [min_len, max_len]
+    max_len: int = 64
+    max_stride: int = 4
+    noise: float = 0.05
+
+
+# --- loss -------------------------------------------------------------------------------------
+@dataclass
+class LossConfig:
+    normalize: str = "auto"  # auto (tokens on token data, else samples) | tokens | samples
+    #                          | micro_batch_mean (the 2024 accumulation bug, to measure it)
+
+
 # --- trainer ----------------------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
@@ -126,6 +174,11 @@ class TrainerConfig:
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float = 25.0
     timeout_s: int = 300  # process-group timeout
+    deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
+    checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
+    keep_checkpoints: int = 3  # the newest K step checkpoints stay
+    num_workers: int = 0  # DataLoader worker processes per rank
+    fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
@@ -152,22 +205,26 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scheduler: Any = MISSING
+    loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
+    resume: str = "none"  # none | auto | a checkpoint file or run dir
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mlp": MLPConfig},
+    "model": {"mlp": MLPConfig, "transformer": TransformerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "schedule": {
         "constant": ConstantScheduleConfig,
         "epochwise": EpochwiseScheduleConfig,
         "global_batch": GlobalBatchScheduleConfig,
     },
-    "sync": {"always": SyncConfig, "accumulate": SyncConfig},
+    "sync": {"always": SyncConfig, "accumulate": SyncConfig, "amp_aware": AmpAwareSyncConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
-    "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig},
+    "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig,
+             "synthetic_lm": SyntheticLMDataConfig},
     "trainer": {"default": TrainerConfig},
     "lr_scheduler": {"none": NoLRSchedulerConfig, "cosine": CosineLRSchedulerConfig},
+    "loss": {"default": LossConfig},
 }
 
 SCHEMAS_BY_NAME: dict[str, type] = {
@@ -238,6 +295,16 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     _require(tr["threads_per_worker"] >= 0, "trainer.threads_per_worker",
              "an integer >= 0 (0: automatic)", tr["threads_per_worker"])
     _require(tr["timeout_s"] >= 1, "trainer.timeout_s", "an integer >= 1", tr["timeout_s"])
+    _require(tr["checkpoint_every"] >= 0, "trainer.checkpoint_every",
+             "an integer >= 0 (0: only at the end)", tr["checkpoint_every"])
+    _require(tr["keep_checkpoints"] >= 1, "trainer.keep_checkpoints", "an integer >= 1",
+             tr["keep_checkpoints"])
+    _require(tr["num_workers"] >= 0, "trainer.num_workers", "an integer >= 0",
+             tr["num_workers"])
+    _require(tr["fail_at_step"] == -1 or tr["fail_at_step"] >= 1, "trainer.fail_at_step",
+             "-1 (never) or an integer >= 1", tr["fail_at_step"])
+    _require(cfg["resume"] in ("none", "auto") or os.path.exists(cfg["resume"]), "resume",
+             "none, auto, or the path of a checkpoint file or run dir", cfg["resume"])
     backends = ("auto", "gloo", "nccl")
     _require(tr["backend"] in backends, "trainer.backend", f"one of {', '.join(backends)}",
              tr["backend"])
@@ -247,9 +314,10 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
 
     micro = cfg["data"]["micro_batch_size"]
     _require(micro >= 1, "data.micro_batch_size", "an integer >= 1", micro)
-    if cfg["data"]["name"] == "synthetic":
+    if cfg["data"]["name"] in ("synthetic", "synthetic_lm"):
         n = cfg["data"]["num_samples"]
         _require(n >= 1, "data.num_samples", "an integer >= 1", n)
+    validate_tokens(cfg)
 
     world = resolve_world_size(cfg)
     sched = cfg["schedule"]
@@ -274,18 +342,87 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     if act is not None:
         _require(act in ("relu", "gelu", "tanh"), "model.activation", "one of relu, gelu, tanh",
                  act)
+    if "dropout" in cfg["model"]:
+        _require(0.0 <= cfg["model"]["dropout"] < 1.0, "model.dropout", "a number in [0, 1)",
+                 cfg["model"]["dropout"])
     if "hidden_sizes" in cfg["model"]:
         _require(all(h >= 1 for h in cfg["model"]["hidden_sizes"]), "model.hidden_sizes",
                  "a list of integers >= 1", cfg["model"]["hidden_sizes"])
 
-    prec = cfg["precision"]["name"]
-    _require(prec in ("fp32", "bf16", "fp16"), "precision.name", "one of fp32, bf16, fp16", prec)
+    check_precision(cfg, cuda_available)
     lrs = cfg["lr_scheduler"]
     if lrs["name"] == "cosine":
         _require(lrs["warmup_steps"] >= 0, "lr_scheduler.warmup_steps", "an integer >= 0",
                  lrs["warmup_steps"])
         _require(0.0 <= lrs["min_lr_ratio"] <= 1.0, "lr_scheduler.min_lr_ratio",
                  "a number in [0, 1]", lrs["min_lr_ratio"])
+
+
+def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
+    """The precision, its scaler settings and amp_aware's options; a precision that autocast
+    cannot run on the device the workers will use is refused here, before they start."""
+    pcfg, sync = cfg["precision"], cfg["sync"]
+    prec = pcfg["name"]
+    _require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
+    backend = cfg["trainer"]["backend"]
+    device = "cuda" if backend == "nccl" or (backend == "auto" and cuda_available) else "cpu"
+    if not autocast_runs(prec, device):
+        runnable = [name for name in DTYPES if autocast_runs(name, device)]
+        raise ConfigError(f"precision.name={prec!r} cannot run on {device} (torch autocast "
+                          f"falls back to fp32 there): choose one of {', '.join(runnable)}")
+    _require(pcfg["init_scale"] > 0, "precision.init_scale", "a number > 0", pcfg["init_scale"])
+    _require(pcfg["growth_interval"] >= 1, "precision.growth_interval", "an integer >= 1",
+             pcfg["growth_interval"])
+    _require(pcfg["growth_factor"] > 1, "precision.growth_factor", "a number > 1",
+             pcfg["growth_factor"])
+    _require(0 < pcfg["backoff_factor"] < 1, "precision.backoff_factor", "a number in (0, 1)",
+             pcfg["backoff_factor"])
+    if sync["name"] == "amp_aware":
+        _require(sync["comm_dtype"] in DTYPES, "sync.comm_dtype", "one of bf16, fp16, fp32",
+                 sync["comm_dtype"])
+        if sync["comm_dtype"] == "fp16" and prec != "fp16":
+            raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not {prec!r}: only "
+                              "its GradScaler catches an overflow of the fp16 all-reduce; "
+                              "use bf16 or fp32")
+
+
+TOKEN_DATA = ("synthetic_lm",)
+
+
+def validate_tokens(cfg: dict[str, Any]) -> None:
+    """Token data, the transformer and loss.normalize go together."""
+    data, model = cfg["data"], cfg["model"]
+    tokens = data["name"] in TOKEN_DATA
+    if tokens:
+        _require(model["name"] == "transformer", "model",
+                 f"data={data['name']} (token data) needs model=transformer", model["name"])
+    elif model["name"] == "transformer":
+        raise ConfigError(f"model=transformer needs token data (data=synthetic_lm); "
+                          f"data={data['name']} has samples: use model=mlp")
+    normalize = cfg["loss"]["normalize"]
+    _require(normalize in NORMALIZE_CHOICES, "loss.normalize",
+             f"one of {', '.join(NORMALIZE_CHOICES)}", normalize)
+    if normalize == "tokens" and not tokens:
+        raise ConfigError(f"loss.normalize='tokens' needs token data (data=synthetic_lm); "
+                          f"data={data['name']} has samples: use auto or samples")
+    if model["name"] == "transformer":
+        _require(model["d_model"] >= 1 and model["d_model"] % model["n_heads"] == 0,
+                 "model.d_model", f"a positive multiple of model.n_heads={model['n_heads']}",
+                 model["d_model"])
+        for key in ("n_layers", "n_heads", "mlp_ratio"):
+            _require(model[key] >= 1, f"model.{key}", "an integer >= 1", model[key])
+    if tokens:
+        _require(data["vocab_size"] >= 2, "data.vocab_size", "an integer >= 2",
+                 data["vocab_size"])
+        _require(data["min_len"] >= 2, "data.min_len",
+                 "an integer >= 2 (a sequence needs one input and one target)", data["min_len"])
+        _require(data["max_len"] >= data["min_len"], "data.max_len",
+                 f"an integer >= data.min_len={data['min_len']}", data["max_len"])
+        _require(1 <= data["max_stride"] < data["vocab_size"], "data.max_stride",
+                 f"an integer in [1, data.vocab_size={data['vocab_size']})", data["max_stride"])
+        _require(0.0 <= data["noise"] <= 1.0, "data.noise", "a number in [0, 1]", data["noise"])
+        _require(data["eval_samples"] >= 1, "data.eval_samples", "an integer >= 1",
+                 data["eval_samples"])
 
 
 def build_optimizer(cfg: dict[str, Any], params):

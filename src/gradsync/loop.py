@@ -4,11 +4,19 @@ For every micro-batch the sync policy decides whether its forward+backward runs 
 ``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
 holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
 applies the gradient of the mean loss over every sample of the window on every rank, a short
-last window included.
+last window included. Token-normalised losses, whose count is only known at the window's end,
+are rescaled once before the step (normalize.py).
+
+Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
+x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
+the step of a window whose gradients hold inf/nan: such a window advances ``windows`` but neither
+``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every`` count only
+real updates (Lightning #5558 stepped the scheduler anyway).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +29,10 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.comm import CommCounts
+from gradsync.data import epoch_batches
+from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
+from gradsync.normalize import SAMPLES, Normalizer
 from gradsync.policies import SyncPolicy, sync_context
 from gradsync.precision import Precision
 from gradsync.schedules import Window, plan_epoch
@@ -51,16 +62,30 @@ class Parts:
     log_every: int
     eval_every: int  # 0: only at the end
     clip_grad_norm: float  # 0: off
+    normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
+    # --- checkpoints and faults (the worker fills these; the defaults train without them)
+    checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
+    checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
+    stop: StopAgreement | None = None  # None: signals are not watched
+    check_finite: bool = False  # a non-finite loss stops the run (fp32)
+    fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
 
 
 @dataclass
 class Progress:
-    step: int = 0  # optimizer steps taken
+    step: int = 0  # optimizer steps applied (an AMP-skipped step is not one)
+    windows: int = 0  # windows run = optimizer-step attempts, skipped ones included
     epoch: int = 0
     samples_seen: int = 0  # over all ranks
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
+    epoch_step: int = 0  # windows of the current epoch done: where a resumed epoch starts
+    micro_steps: int = 0  # micro-batches this rank ran
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.windows - self.step
 
     def done(self, p: Parts) -> bool:
         return self.epoch >= p.max_epochs or (p.max_steps >= 0 and self.step >= p.max_steps)
@@ -68,23 +93,35 @@ class Progress:
 
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss_fn: Callable,
-               device: torch.device) -> torch.Tensor:
-    """Forward+backward every micro-batch of one window; returns this rank's mean loss."""
+               device: torch.device, norm: Normalizer = SAMPLES) -> torch.Tensor:
+    """Forward+backward every micro-batch of one window; returns this rank's share of the
+    window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
+    in full). After each backward the policy may find the window doomed (an overflow on some
+    rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
+    without compute, so the data order never depends on overflows."""
     total = torch.zeros((), device=device)
+    doomed = False
     for i in range(window.size):
         x, y = next(batches)
+        if doomed:
+            continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        divisor = norm.divisor(window, i, y)
         with sync_context(ddp, policy.should_sync(i, window.size)):
             with precision.autocast():
-                loss = loss_fn(ddp(x), y)
-            precision.backward(loss / window.local_samples)
+                loss = loss_fn(ddp(x), y) / divisor
+            precision.backward(loss)
         total += loss.detach()
-    return total / window.local_samples
+        doomed = policy.window_doomed(ddp, i, window.size)
+    if doomed:
+        return torch.full((), float("nan"), device=device)
+    return norm.window_loss(total)
 
 
 def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
-    p.precision.unscale(p.optimizer)
+    p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
+    p.normalizer.before_step(p.ddp.parameters())
     norm = None
     if p.clip_grad_norm > 0:
         norm = float(clip_grad_norm_(p.ddp.parameters(), p.clip_grad_norm))
@@ -120,6 +157,7 @@ class StepLog:
             losses /= self.p.world_size
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
+        bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
         state.last_loss = self.rows[-1]["loss"]
         elapsed = state.train_s - self.mark_t
         sps = (state.samples_seen - self.mark_samples) / elapsed if elapsed > 0 else 0.0
@@ -139,43 +177,80 @@ class StepLog:
             scalars["train/grad_norm"] = grad_norm
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
-        self.log.scalars(state.step, scalars)
+            scalars["amp/skipped_steps"] = state.skipped_steps
+            scalars["amp/aborted_windows"] = self.p.policy.overflow.aborted_windows
+            scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
+        self.log.scalars(state.windows, scalars)
         self.rows, self.losses = [], []
+        if bad is not None and self.p.check_finite:
+            raise FloatingPointError(
+                f"non-finite training loss ({bad['loss']}) at optimizer step {bad['step']} "
+                "(fp32); stopped, the last good checkpoint stays in checkpoints/")
+
+
+def require_finite_parameters(ddp: DistributedDataParallel, step: int) -> None:
+    """No checkpoint of a diverged model: the step's loss may still have been finite. The
+    parameters are the same on every rank, so every rank decides the same."""
+    if not all(bool(torch.isfinite(q).all()) for q in ddp.parameters()):
+        raise FloatingPointError(f"non-finite parameters after optimizer step {step} (fp32); "
+                                 "stopped, the last good checkpoint stays in checkpoints/")
 
 
 def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
     state.last_eval = p.evaluate()
-    log.scalars(state.step, {f"eval/{k}": v for k, v in state.last_eval.items()})
+    log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
 
 
 def train(p: Parts, state: Progress, log: RunLog) -> Progress:
+    """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
+    next window, skipping the samples already used) until done or until the ranks agree to
+    stop (p.stop.agreed)."""
     steps = StepLog(p, log)
-    while not state.done(p):
-        epoch = state.epoch
-        p.sampler.set_epoch(epoch)
-        batches = iter(p.loader)
+    steps.mark_t, steps.mark_samples = state.train_s, state.samples_seen
+    stop = 0
+    while not state.done(p) and not stop:
+        epoch, first = state.epoch, state.epoch_step
         plan = plan_epoch(len(p.sampler), p.micro_batch_size, p.schedule.accum_steps(epoch))
-        for k, window in enumerate(plan):
+        batches = epoch_batches(p.loader, epoch, plan[first].start * p.micro_batch_size)
+        for k in range(first, len(plan)):
+            window = plan[k]
             t0 = time.perf_counter()
             local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss_fn,
-                                    p.device)
+                                    p.device, p.normalizer)
             lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.step + 1) % p.log_every == 0
+            log_now = (state.windows + 1) % p.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)
             state.train_s += time.perf_counter() - t0
-            state.step += 1
+            state.windows += 1
+            state.step += stepped
+            state.micro_steps += window.size
             state.samples_seen += window.local_samples * p.world_size
-            state.epoch = epoch + (k == len(plan) - 1)  # counts completed epochs
-            steps.add({"step": state.step, "epoch": epoch,
+            end_of_epoch = k == len(plan) - 1
+            state.epoch = epoch + end_of_epoch  # counts completed epochs
+            state.epoch_step = 0 if end_of_epoch else k + 1
+            steps.add({"window": state.windows, "step": state.step, "epoch": epoch,
                        "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                        "stepped": stepped}, local_loss)
             if log_now:
                 steps.flush(state, norm)
-            if p.eval_every and state.step % p.eval_every == 0:
+            if stepped and state.step == p.fail_at_step and dist.get_rank() == p.world_size - 1:
+                raise RuntimeError(f"injected failure after optimizer step {state.step} "
+                                   "(trainer.fail_at_step, a test aid)")
+            if p.eval_every and stepped and state.step % p.eval_every == 0:
                 evaluate(p, state, log)
-            if state.done(p):
+            stop = p.stop.poll() if p.stop else 0
+            finished = state.done(p)
+            if stop or finished or (p.checkpoint_every and stepped
+                                    and state.step % p.checkpoint_every == 0):
+                steps.flush(state, None)  # a checkpoint covers every row up to its step
+                if p.check_finite:
+                    require_finite_parameters(p.ddp, state.step)
+                p.checkpoint(p, state)
+            if stop or finished:
                 break
     steps.flush(state, None)
-    if not (p.eval_every and state.step % p.eval_every == 0):
+    if p.stop:
+        p.stop.close()
+    if not stop and not (p.eval_every and state.step and state.step % p.eval_every == 0):
         evaluate(p, state, log)
     return state

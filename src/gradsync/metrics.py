@@ -25,11 +25,27 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def keep_rows_through(path: Path, window: int) -> None:
+    """Rewrite metrics.jsonl with its rows up to `window` only (a torn last line dropped)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["window"] <= window:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RunLog:
     """Rank 0's writer; ``RunLog(run_dir, active=False)`` on the other ranks."""
 
     def __init__(self, run_dir: Path, active: bool, total_steps: int = 0,
-                 progress_bar: bool = False):
+                 progress_bar: bool = False, start_window: int = 0):
         self.active = active
         self.run_dir = run_dir
         self.tb: Any = None
@@ -39,13 +55,15 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        # A run continued from window w drops what an earlier attempt logged after w.
+        keep_rows_through(run_dir / "metrics.jsonl", start_window)
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_window + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                            mininterval=0.5)
+            self.bar = tqdm(total=total_steps, initial=start_window, desc="train", unit="step",
+                            dynamic_ncols=True, mininterval=0.5)
 
     def steps(self, rows: list[dict[str, Any]]) -> None:
         """One row per optimizer step (written in batches at log points)."""
@@ -79,3 +97,50 @@ class RunLog:
         self.tb.flush()
         self.tb.close()
         self.jsonl.close()
+
+
+def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers runs are compared by: a sweep's summary columns and TensorBoard's HParams
+    metrics. Per-rank counters are rank 0's (every rank joins every all-reduce)."""
+    out = {"final_train_loss": summary["final_train_loss"]}
+    out |= {f"eval_{k}": v for k, v in sorted(summary["eval"].items())}
+    out |= {"samples_per_s": summary["samples_per_s"],
+            "sync_backwards": summary["sync_backwards"][0],
+            "allreduce_calls": summary["allreduce_calls"][0],
+            "allreduce_bytes": summary["allreduce_bytes"][0],
+            "peak_rss_mb": summary["peak_rss_mb"]}
+    out |= {k: summary[k] for k in ("train_s", "wall_s") if k in summary}
+    return out
+
+
+def flat_hparams(cfg: dict[str, Any], prefix: str = "") -> dict[str, float | str]:
+    """{"optimizer.lr": 0.1, "model.hidden_sizes": "[128, 128]", ...}: numbers stay numbers,
+    everything else (lists, booleans) becomes text TensorBoard can filter on."""
+    out: dict[str, float | str] = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flat_hparams(value, f"{name}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def write_hparams(tb_dir: Path, hparams: dict[str, float | str], metrics: dict[str, float],
+                  step: int) -> None:
+    """The run's hyperparameters and final metrics (as scalars "final/<name>") for TensorBoard's
+    HParams tab, in the run's own tb/ dir as Lightning does. Only the session summaries, no
+    experiment summary: TensorBoard then takes the columns from every run under --logdir, where
+    one experiment summary per run would make it show the first run's columns only."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    tags = {f"final/{k.removeprefix('final_')}": float(v) for k, v in metrics.items()}
+    _, session_start, session_end = hparams_summaries(hparams, tags)
+    with SummaryWriter(log_dir=str(tb_dir)) as writer:
+        writer.file_writer.add_summary(session_start, step)
+        writer.file_writer.add_summary(session_end, step)
+        for tag, value in tags.items():
+            writer.add_scalar(tag, value, step)

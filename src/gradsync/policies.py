@@ -1,23 +1,72 @@
 """Sync policies: asked for every micro-batch whether its forward+backward synchronises gradients
-(all-reduce) or runs inside ``ddp.no_sync()`` so they accumulate locally."""
+(all-reduce) or runs inside ``ddp.no_sync()`` so they accumulate locally; a policy also chooses
+the all-reduce DDP runs and may take part in the overflow handling of fp16 training."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import get_total_norm
+
+from gradsync.comm import InnerHook, allreduce_in
+from gradsync.precision import DTYPES
+
+
+@dataclass
+class OverflowCounts:
+    aborted_windows: int = 0  # windows whose remaining compute was skipped: doomed by an overflow
+    allreduce_skipped: int = 0  # full-gradient all-reduces (syncing backwards) those skipped
+    flag_allreduces: int = 0  # one-element all-reduces: overflow consensus, found_inf agreement
 
 
 class SyncPolicy(Protocol):
     name: str
+    overflow: OverflowCounts
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         """micro_index counts from 0 inside the current window of window_size micro-batches."""
         ...
 
+    def comm_hook(self) -> InnerHook:
+        """The all-reduce DDP runs on a syncing backward (the counting hook wraps it)."""
+        ...
 
-class AlwaysSync:
+    def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
+                      window_size: int) -> bool:
+        """Asked after each micro-batch's backward: True (on every rank alike) when the window
+        can no longer step, so its remaining micro-batches are not computed."""
+        ...
+
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        """At the window's end, after unscaling: may make the scaler's inf/nan flags (changed in
+        place) identical on every rank."""
+        ...
+
+
+class PlainSync:
+    """What a policy that neither changes the all-reduce nor looks at overflows answers."""
+
+    def __init__(self) -> None:
+        self.overflow = OverflowCounts()
+
+    def comm_hook(self) -> InnerHook:
+        return allreduce_in(None)
+
+    def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
+                      window_size: int) -> bool:
+        return False
+
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        """Nothing to do: after a full all-reduce every rank holds the same gradients, so the
+        scaler finds the same inf/nan everywhere."""
+
+
+class AlwaysSync(PlainSync):
     """Every backward all-reduces; the baseline that accumulation saves against."""
 
     name = "always"
@@ -26,7 +75,7 @@ class AlwaysSync:
         return True
 
 
-class AccumulateSync:
+class AccumulateSync(PlainSync):
     """Only the last micro-batch of each window (a short last window included) all-reduces."""
 
     name = "accumulate"
@@ -35,10 +84,61 @@ class AccumulateSync:
         return micro_index == window_size - 1
 
 
-POLICIES: dict[str, type] = {"always": AlwaysSync, "accumulate": AccumulateSync}
+class AmpAwareSync(AccumulateSync):
+    """accumulate's window boundaries, with the gradients all-reduced in bf16 (or fp16) and,
+    when the fp16 GradScaler runs, overflow consensus.
+
+    Consensus: after every no_sync backward each rank checks its accumulated gradients for
+    inf/nan and one MAX all-reduce of that flag tells every rank whether any rank has one. Such
+    a window cannot step (the scaler would skip it), so the rest of its compute and its
+    full-gradient all-reduce are skipped. At the window's end the scaler's own inf/nan flags are
+    MAX all-reduced too, so every rank skips (and backs off the scale) or steps alike, aborted
+    windows included, where only some ranks hold the overflow locally."""
+
+    name = "amp_aware"
+
+    def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
+                 uses_scaler: bool = False):
+        super().__init__()
+        self.wire_dtype = DTYPES[comm_dtype]
+        self.consensus = overflow_consensus and uses_scaler
+
+    def comm_hook(self) -> InnerHook:
+        return allreduce_in(self.wire_dtype)
+
+    def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
+                      window_size: int) -> bool:
+        if not self.consensus or micro_index == window_size - 1:
+            return False  # the last backward synced: agree_on_overflow settles that window
+        grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+        local_bad = ~torch.isfinite(get_total_norm(grads, norm_type=float("inf")))
+        flag = local_bad.float()
+        self._max_over_ranks(flag)
+        if not flag.item():
+            return False
+        self.overflow.aborted_windows += 1
+        self.overflow.allreduce_skipped += sum(
+            self.should_sync(j, window_size) for j in range(micro_index + 1, window_size))
+        return True
+
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        if self.consensus:
+            for flag in found_inf:
+                self._max_over_ranks(flag)
+
+    def _max_over_ranks(self, flag: torch.Tensor) -> None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.overflow.flag_allreduces += 1
 
 
-def build_policy(cfg: dict[str, Any]) -> SyncPolicy:
+POLICIES: dict[str, type] = {"always": AlwaysSync, "accumulate": AccumulateSync,
+                             "amp_aware": AmpAwareSync}
+
+
+def build_policy(cfg: dict[str, Any], uses_scaler: bool = False) -> SyncPolicy:
+    """uses_scaler: the run trains in fp16 with a GradScaler (amp_aware then checks overflows)."""
+    if cfg["name"] == "amp_aware":
+        return AmpAwareSync(cfg["comm_dtype"], cfg["overflow_consensus"], uses_scaler)
     return POLICIES[cfg["name"]]()
 
 

@@ -5,21 +5,43 @@ once per window, so the scale never changes inside a window."""
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast_runs(name: str, device_type: str) -> bool:
+    """Whether autocast really computes in this precision on this device type. torch only warns
+    and falls back to fp32 where it cannot (a dtype the device lacks, CUDA absent), so run one
+    tiny op and look at its dtype."""
+    dtype = DTYPES[name]
+    if dtype is None:
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ones = torch.ones(2, 2, device=device_type)
+            with torch.autocast(device_type=device_type, dtype=dtype):
+                out = torch.nn.functional.linear(ones, ones)
+    except (RuntimeError, AssertionError):  # no such device; a GPU without bf16
+        return False
+    return out.dtype == dtype
+
+
 class Precision:
     def __init__(self, name: str, device_type: str, init_scale: float = 65536.0,
-                 growth_interval: int = 2000):
+                 growth_interval: int = 2000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5):
         self.name = name
         self.device_type = device_type
         self.dtype = DTYPES[name]
         self.scaler = (
             torch.amp.GradScaler(device_type, init_scale=init_scale,
+                                 growth_factor=growth_factor, backoff_factor=backoff_factor,
                                  growth_interval=growth_interval)
             if name == "fp16" else None
         )
@@ -32,20 +54,33 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler:
-            self.scaler.unscale_(optimizer)
+    def unscale(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Unscale the window's gradients in place and return the scaler's inf/nan flags (one
+        per device; none without a scaler). step() and update() act on these very tensors, so a
+        policy that all-reduces them in place makes every rank take the same decision."""
+        if self.scaler is None:
+            return []
+        self.scaler.unscale_(optimizer)
+        return list(self.scaler._found_inf_per_device(optimizer).values())
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step and update the scale; False when the scaler skipped the step (inf/nan)."""
+        """Step and update the scale once per window, after unscale(); False when the step was
+        skipped because the gradients held inf/nan (the scale then backs off)."""
         if self.scaler is None:
             optimizer.step()
             return True
-        before = self.scaler.get_scale()
+        found_inf = self.scaler._found_inf_per_device(optimizer).values()
+        skipped = any(bool(flag.item()) for flag in found_inf)
         self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= before
+        return not skipped
 
     @property
     def scale(self) -> float:
+        """The current loss scale (1.0 without a scaler: the loss is not scaled)."""
         return self.scaler.get_scale() if self.scaler else 1.0
+
+
+def build_precision(cfg: dict[str, Any], device_type: str) -> Precision:
+    return Precision(cfg["name"], device_type, cfg["init_scale"], cfg["growth_interval"],
+                     cfg["growth_factor"], cfg["backoff_factor"])

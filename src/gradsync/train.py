@@ -10,26 +10,54 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from gradsync.config import ConfigError, register_configs, schema_keys, to_plain, validate
-from gradsync.launch import WorkerFailed, launch
-from gradsync.metrics import write_json_atomic
+from gradsync import sweep
+from gradsync.checkpoint import ResumeError, resolve_resume
+from gradsync.config import (
+    ConfigError,
+    register_configs,
+    resolve_world_size,
+    schema_keys,
+    to_plain,
+    validate,
+)
+from gradsync.launch import (
+    Interrupted,
+    WorkerFailed,
+    adopt_submitit_ranks,
+    job_rank,
+    launch,
+    rank0_now,
+    under_torchrun,
+)
+from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
+from gradsync.repro import run_info, write_run_info
+from gradsync.worker import pick_backend
 
 register_configs()
+# Under torchrun and submitit every rank runs this app: conf/config.yaml names the run dir with
+# rank 0's clock and lets only rank 0 write Hydra's own files (.hydra/, the job's log file).
+OmegaConf.register_new_resolver("rank0_now", rank0_now, use_cache=True, replace=True)
+OmegaConf.register_new_resolver(
+    "if_rank0", lambda value, other: value if job_rank() == 0 else other, replace=True)
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> dict:
+    adopt_submitit_ranks()
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     try:
@@ -38,35 +66,100 @@ def hydra_main(cfg: DictConfig) -> dict:
     except ConfigError as e:
         if hc.mode == RunMode.RUN:
             _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "config error", str(e), 2)
+        return _fail(hc.mode, run_dir, "config error", str(e), 2, record=_is_new(run_dir))
+    try:
+        _resolve_resume(plain, run_dir)
+    except ResumeError as e:
+        if hc.mode == RunMode.RUN:
+            _remove_if_only_hydra(run_dir)
+        return _fail(hc.mode, run_dir, "resume refused", str(e), 2, record=_is_new(run_dir))
     started = time.perf_counter()
     try:
         launch(plain, run_dir)
     except WorkerFailed as e:
         return _fail(hc.mode, run_dir, "training failed", str(e), 1)
-    if int(os.environ.get("RANK", "0")) != 0:
+    except Interrupted as e:
+        print(f"gradsync: {e}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    if job_rank() != 0:
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
+    if summary["status"] == "interrupted":
+        _stopped(run_dir, summary)
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
+    write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
+                  summary["optimizer_steps"])
     _report(run_dir, summary)
     return summary
 
 
-def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int) -> dict:
-    """One line and a non-zero exit for a single run; in a sweep, a failed row (and the sweep
-    goes on)."""
-    if run_dir.is_dir():
-        write_json_atomic(run_dir / "summary.json",
-                          {"status": "failed", "error": f"{kind}: {message}"})
+def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
+          record: bool = True) -> dict:
+    """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
+    goes on (SweepSummary makes it exit 1 at the end). record=False leaves the run dir's
+    summary.json alone."""
+    failed = {"status": "failed", "error": f"{kind}: {message}"}
+    if record and run_dir.is_dir() and job_rank() == 0:
+        write_json_atomic(run_dir / "summary.json", failed)
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
         sys.exit(code)
-    raise JobFailed(f"{kind}: {message}")
+    return failed  # raising would make Hydra's sweeper stop and skip on_multirun_end
 
 
-class JobFailed(RuntimeError):
-    """A multirun job that failed; already reported."""
+class SweepSummary(Callback):
+    """conf/config.yaml registers it under hydra.callbacks. When a multirun ends it writes the
+    sweep summary from the job dirs, prints it, and ends the sweep with exit code 1 if any job
+    failed: sys.exit, because Hydra turns exceptions raised in callbacks into warnings."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            result = sweep.write_summary(sweep_dir)
+        except Exception as e:  # a warning and exit code 0 otherwise
+            print(f"gradsync: sweep summary failed: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+        print(f"\n{result.markdown}", flush=True)
+        if result.failed:
+            print(f"gradsync: sweep: {result.failed} of {result.jobs} jobs failed; see "
+                  f"{sweep_dir / 'sweep_summary.md'}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+def _is_new(run_dir: Path) -> bool:
+    """A start refused in a run dir that holds an earlier run's outputs must not overwrite
+    them."""
+    return not (run_dir / "summary.json").exists()
+
+
+def _resolve_resume(plain: dict, run_dir: Path) -> None:
+    """Pick the checkpoint to start from (refusing incompatible ones), hand the workers its
+    path in place of `resume`, and record run_info.json."""
+    notes: list[str] = []
+    world = resolve_world_size(plain)
+    try:
+        path = resolve_resume(plain["resume"], run_dir, plain, world, notes)
+    finally:
+        for note in notes:
+            print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
+    plain["resume"] = str(path) if path else "none"
+    if job_rank() == 0:
+        if path:
+            print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
+                        world, str(path) if path else None)
+        write_run_info(run_dir / "run_info.json", info)
+
+
+def _stopped(run_dir: Path, s: dict) -> None:
+    """A run stopped by SIGTERM/SIGINT after checkpointing: say where, and how to go on."""
+    print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
+          f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n"
+          f"  continue with: gradsync-train resume=auto hydra.run.dir={run_dir} "
+          "(and the same overrides)", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.Signals[s["stopped_by"]])
 
 
 def _report(run_dir: Path, s: dict) -> None:
@@ -106,15 +199,26 @@ def one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
+
+
 def main() -> None:
+    if under_torchrun() and MULTIRUN_FLAGS & set(sys.argv[1:]):
+        # Each job of a sweep joins a process group again through the same torchrun store,
+        # which outlives the previous job's group: the second job hangs there. Refuse up front.
+        print("gradsync: config error: a multirun (-m) under torchrun is not supported: run one "
+              "job per torchrun, or sweep through hydra/launcher=slurm (one SLURM job per run)",
+              file=sys.stderr)
+        sys.exit(2)
     # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
     # we then print one line ourselves, or the traceback if the user asked for it.
     user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
-    except JobFailed:
-        sys.exit(1)
+    except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
+        print("gradsync: interrupted before training started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except Exception as e:
         if user_wants_traceback:
             raise

@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import checkpoint
+from gradsync import checkpoint, trainstate
 from gradsync.comm import install_counting_hook
 from gradsync.config import build_optimizer
-from gradsync.data import build_data, evaluate, loss_sum, train_loader
+from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
+from gradsync.faults import PROCESS_FLAG, StopAgreement, record_failure, signal_name
 from gradsync.loop import Parts, Progress, train
 from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.metrics import RunLog, peak_rss_mb
 from gradsync.models import build_model
+from gradsync.normalize import build_normalizer
 from gradsync.policies import build_policy
-from gradsync.precision import Precision
+from gradsync.precision import build_precision
+from gradsync.repro import seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")
@@ -57,33 +58,34 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initial parameters (DDP also broadcasts rank 0's)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.device) -> Parts:
     """Everything the loop needs, from plain config, on an initialised process group."""
     tr, dcfg, seed = cfg["trainer"], cfg["data"], cfg["seed"]
-    seed_everything(seed)
+    set_deterministic(tr["deterministic"], device.type)
+    seed_everything(seed)  # the same on every rank and for every world size: model init
     data = build_data(dcfg, seed)
     micro = dcfg["micro_batch_size"]
-    loader, sampler = train_loader(data.train, micro, rank, world_size, seed)
-    model = build_model(cfg["model"], data.in_dim, data.out_dim).to(device)
+    loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
+                                   tr["num_workers"])
+    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
+    seed_rank(seed, rank)  # from here on each rank draws from its own streams
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=tr["gradient_as_bucket_view"],
         bucket_cap_mb=tr["bucket_cap_mb"],
     )
-    policy = build_policy(cfg["sync"])
-    counts = install_counting_hook(ddp)
+    precision = build_precision(cfg["precision"], device.type)
+    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
+    counts = install_counting_hook(ddp, policy.comm_hook())
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
-    pcfg = cfg["precision"]
+    # configs built by hand (tests) may lack the loss group: auto, as its default
+    normalizer = build_normalizer(cfg.get("loss", {}).get("normalize", "auto"), data.task,
+                                  lambda y: loss_units(data.task, y), world_size, device,
+                                  data.tokens_per_sample)
+    per_sequence = normalizer.name == "samples"  # token data: every sequence weighs the same
     return Parts(
         ddp=ddp,
         optimizer=optimizer,
@@ -92,10 +94,10 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         sampler=sampler,
         schedule=schedule,
         policy=policy,
-        precision=Precision(pcfg["name"], device.type, pcfg["init_scale"],
-                            pcfg["growth_interval"]),
-        loss_fn=lambda out, y: loss_sum(data.task, out, y),
-        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device),
+        precision=precision,
+        loss_fn=lambda out, y: loss_sum(data.task, out, y, per_sequence),
+        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device,
+                                  collate=data.collate),
         counts=counts,
         device=device,
         world_size=world_size,
@@ -106,6 +108,10 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         log_every=tr["log_every"],
         eval_every=tr["eval_every"],
         clip_grad_norm=tr["clip_grad_norm"],
+        normalizer=normalizer,
+        checkpoint_every=tr["checkpoint_every"],
+        check_finite=precision.name == "fp32",
+        fail_at_step=tr["fail_at_step"],
     )
 
 
@@ -116,32 +122,85 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     p = build_parts(cfg, rank, world_size, device)
-    run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
-                     progress_bar=cfg["trainer"]["progress_bar"])
+    tr = cfg["trainer"]
+    # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
+    # is 30 minutes: use the job's)
+    control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=tr["timeout_s"]))
+               if world_size > 1 else None)
+    ckpt_dir = run_dir / checkpoint.CKPT_DIR
+
+    def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
+        out = trainstate.capture(p, state, cfg, control)
+        if out is not None:
+            checkpoint.write(out, ckpt_dir, tr["keep_checkpoints"])
+
+    p.checkpoint = save
+    p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     try:
-        state = train(p, Progress(), run_log)
-        summary = summarize(cfg, p, state)
-        run_log.summary(summary)
-        if rank == 0:
-            checkpoint.save_atomic(
-                {"model": p.ddp.module.state_dict(), "optimizer": p.optimizer.state_dict(),
-                 "lr_scheduler": p.lr_scheduler.state_dict(), "step": state.step,
-                 "epoch": state.epoch, "config": cfg},
-                run_dir / "checkpoints" / "last.pt")
+        resumed_from = resume_path(cfg, run_dir, world_size, control)
+        state = Progress()
+        if resumed_from is not None:
+            state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
+            log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
+        run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
+                         progress_bar=tr["progress_bar"], start_window=state.windows)
+        try:
+            state = train(p, state, run_log)
+            summary = summarize(cfg, p, state)
+            newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []
+            summary.update(status="interrupted" if p.stop.agreed else "completed",
+                           stopped_by=signal_name(p.stop.agreed) if p.stop.agreed else None,
+                           checkpoint=str(newest[0]) if newest else None,
+                           resumed_from=str(resumed_from) if resumed_from else None)
+            run_log.summary(summary)
+            if p.stop.agreed:
+                log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
+                         state.step)
+            if rank == 0 and newest:
+                checkpoint.link_last(newest[0])
+        finally:
+            run_log.close()
     finally:
-        run_log.close()
+        if control is not None:
+            dist.destroy_process_group(control)
     return summary
+
+
+def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int,
+                group: Any) -> Path | None:
+    """The checkpoint every rank starts from: rank 0's choice. The job resolves `resume` to a
+    path (or none) before it starts the workers; callers of run_training that pass `auto` get
+    the same resolution here. Under torchrun each node's job resolved it on its own disk."""
+    resume = cfg["resume"]
+    mine = None
+    if resume == "auto":
+        mine = checkpoint.resolve_resume(resume, run_dir, cfg, world_size, notes=[])
+    elif resume != "none":
+        mine = Path(resume)
+    if world_size == 1:
+        return mine
+    chosen = [str(mine) if mine else None]
+    dist.broadcast_object_list(chosen, src=0, group=group)
+    path = Path(chosen[0]) if chosen[0] else None
+    readable: list[Any] = [None] * world_size
+    dist.all_gather_object(readable, path is None or path.is_file(), group=group)
+    blind = [r for r, ok in enumerate(readable) if not ok]
+    if blind:  # every rank raises alike: none is left waiting in a collective
+        raise checkpoint.ResumeError(f"ranks {blind} cannot read rank 0's checkpoint {path}: "
+                                     "resuming across nodes needs a shared filesystem")
+    return path
 
 
 def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
-    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb()]
+    o = p.policy.overflow
+    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
     return {
-        "status": "completed",
         "optimizer_steps": state.step,
         "epochs_completed": state.epoch,
         "samples_seen": state.samples_seen,
@@ -153,10 +212,17 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "allreduce_calls": [g[1] for g in gathered],
         "allreduce_bytes": [g[2] for g in gathered],
         "peak_rss_mb": max(g[3] for g in gathered),
+        "windows": state.windows,
+        "amp_skipped_steps": state.skipped_steps,
+        "amp_final_scale": p.precision.scale,
+        "amp_aborted_windows": [g[4] for g in gathered],
+        "allreduce_skipped": [g[5] for g in gathered],
+        "overflow_flag_allreduces": [g[6] for g in gathered],
         "world_size": p.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.micro_batch_size,
         "sync_policy": p.policy.name,
+        "loss_normalize": p.normalizer.name,
         "precision": p.precision.name,
         "backend": dist.get_backend(),
         "seed": cfg["seed"],
@@ -164,21 +230,23 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
-                       store_port: int | None) -> None:
-    """Join the job's group: through the launcher's TCPStore (spawned workers), or through
-    torchrun's env:// variables (store_port None)."""
+                       store_port: int | None) -> dist.Store | None:
+    """Join the job's group: through the launcher's TCPStore (spawned workers; returned), or
+    through torchrun's env:// variables (store_port None)."""
     timeout = timedelta(seconds=timeout_s)
     if store_port is None:
         dist.init_process_group(backend, timeout=timeout)
-        return
+        return None
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
+    return store
 
 
 def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
                 store_port: int | None) -> None:
     """Entry point of one rank (spawned by the launcher, or the torchrun process itself)."""
+    PROCESS_FLAG.install()  # SIGTERM/SIGINT: finish the step, checkpoint, stop (faults.py)
     run_path = Path(run_dir)
     setup_logging(run_path, rank)
     tr = cfg["trainer"]
@@ -188,11 +256,14 @@ def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
     backend = pick_backend(tr["backend"])
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
-    log.info("rank %d/%d up: backend=%s threads=%d", rank, world_size, backend, threads)
+    store = init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
+    log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
+             os.getpid())
     try:
         run_training(cfg, run_path)
-    except Exception:
+    except Exception as e:
+        if store is not None:
+            record_failure(store, rank, e)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
         raise
     finally:

@@ -1,0 +1,117 @@
+"""Faults: stopping together after a SIGTERM or SIGINT (a cluster's preemption, a Ctrl-C), and
+naming the rank that failed first.
+
+A signal only sets a flag in the process that gets it; ranks get it at different moments (or
+only some get it), so they must agree on the optimizer step after which all of them stop and
+checkpoint. A blocking all-reduce of the flag after every step puts a round trip on the hot path;
+instead a rank launches an asynchronous all-reduce (MAX) of its flag at the end of a step and
+waits for it at the end of the next one, when it has long completed. Even so, a gloo collective
+costs about 0.6 ms of CPU per rank on a busy 2-core machine, 15 % of a 4 ms step; so the ranks
+launch one every `stride` steps, where the stride aims at one agreement per `interval_s` of
+training. The stride comes from the step time carried by the agreement itself (MAX over ranks),
+so every rank computes the same stride and launches at the same steps. All ranks read the same
+flag at the same step and stop together, at most about interval_s + one step after the signal.
+It runs on a separate gloo group, so with nccl the flag never syncs the GPU.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopFlag:
+    """The signal this process received (0: none). Repeated signals change nothing: escalating
+    (a second Ctrl-C kills) is the launcher's job, which sees every worker."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+
+class StopAgreement:
+    """Asked once per optimizer step, on every rank: returns the agreed signal number (0 means
+    go on)."""
+
+    def __init__(self, flag: StopFlag, group: Any, world_size: int, interval_s: float = 0.1):
+        self.flag, self.group, self.world_size = flag, group, world_size
+        self.interval_s = interval_s
+        self.agreed = 0
+        self.stride = 1  # steps between launches; 1 until a step time is known
+        self._buf = torch.zeros(2, dtype=torch.float64)  # [signal, seconds per step]
+        self._work: Any = None
+        self._since = 0  # steps since the last launch
+        self._launched = time.perf_counter()
+
+    def poll(self) -> int:
+        if self.world_size == 1:
+            self.agreed = self.flag.signum
+            return self.agreed
+        self._since += 1
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            signum, step_s = self._buf.tolist()
+            self.agreed = int(signum)
+            if self.agreed:
+                return self.agreed
+            self.stride = max(1, int(self.interval_s / step_s)) if step_s > 0 else 1
+        if self._since >= self.stride:
+            now = time.perf_counter()
+            step_s = (now - self._launched) / self._since
+            self._buf = torch.tensor([float(self.flag.signum), step_s], dtype=torch.float64)
+            self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group,
+                                         async_op=True)
+            self._since, self._launched = 0, now
+        return 0
+
+    def close(self) -> None:
+        """Complete the collective in flight (every rank has one) before the group goes."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+# The process's own flag: signal handlers are per process (workers install it at start).
+PROCESS_FLAG = StopFlag()
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+FAILURES_KEY, FIRST_FAILURE_KEY = "gradsync/failures", "gradsync/first_failure"
+
+
+def record_failure(store: Any, rank: int, exc: BaseException) -> None:
+    """The first rank to raise leaves its error in the launcher's store (first writer wins):
+    ranks that fail afterwards, because a peer went away, are consequences, not the cause."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    message = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    try:
+        if store.add(FAILURES_KEY, 1) == 1:
+            store.set(FIRST_FAILURE_KEY, f"{rank}\n{message}")
+    except Exception:  # the launcher may be gone: the original error matters more
+        pass
+
+
+def first_failure(store: Any) -> tuple[int, str] | None:
+    if not store.check([FIRST_FAILURE_KEY]):
+        return None
+    rank, message = store.get(FIRST_FAILURE_KEY).decode().split("\n", 1)
+    return int(rank), message

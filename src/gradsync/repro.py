@@ -1,0 +1,116 @@
+"""Reproducibility: seeds, deterministic algorithms, the config hash and run_info.json.
+
+Model initialisation draws from the run seed alone (identical on every rank and for every world
+size); everything a rank draws afterwards (dropout, say) comes from its own stream, derived from
+(seed, rank), so ranks never share random numbers by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradsync.metrics import write_json_atomic
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (seed, rank, epoch...): neighbouring inputs give
+    unrelated streams, unlike seed + rank."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch from the run seed: identical on every rank (model init)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Switch this rank to its own streams once the shared draws (model init) are done."""
+    seed_everything(derive_seed(seed, rank))
+
+
+def set_deterministic(setting: bool | None, device_type: str) -> bool:
+    """Turn torch's deterministic algorithms on or off (None: on for CPU, off for CUDA, where
+    they cost speed). Returns the effective setting."""
+    on = device_type == "cpu" if setting is None else setting
+    if on and device_type == "cuda":
+        # cuBLAS reads this when it creates its workspace, i.e. at the first GEMM
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+    return on
+
+
+def config_hash(cfg: dict[str, Any]) -> str:
+    """sha256 of the resolved config, `resume` left out (where a run continues from is not
+    what it is)."""
+    body = {k: v for k, v in cfg.items() if k != "resume"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def git_state(repo: Path) -> dict[str, Any] | None:
+    """Commit and dirtiness of the checkout holding the code, read now (not at import)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"repo": str(repo), "commit": commit, "dirty": dirty}
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run_info(cfg: dict[str, Any], repo: Path, backend: str, world_size: int,
+             resumed_from: str | None) -> dict[str, Any]:
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_state(repo),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "hydra": _version("hydra-core"), "omegaconf": _version("omegaconf"),
+                     "numpy": np.__version__, "gradsync": _version("gradsync")},
+        "backend": backend,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "config_hash": config_hash(cfg),
+        "seed": cfg["seed"],
+        "resumed_from": resumed_from,
+    }
+
+
+def write_run_info(path: Path, info: dict[str, Any]) -> None:
+    """run_info.json describes the latest start; a resume keeps the earlier starts in
+    `previous_starts` rather than overwriting them."""
+    if path.exists():
+        try:
+            before = json.loads(path.read_text())
+            info["previous_starts"] = before.pop("previous_starts", []) + [before]
+        except (OSError, ValueError):
+            pass
+    write_json_atomic(path, info)

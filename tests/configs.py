@@ -1,0 +1,41 @@
+"""Configs composed by Hydra exactly as the command line composes them, for runs on the pool
+that are compared with runs through the command line."""
+
+from __future__ import annotations
+
+from hydra import compose, initialize_config_dir
+
+from gradsync.config import register_configs, to_plain, validate
+from gradsync.train import CONF_DIR
+
+register_configs()
+
+# 200 samples, 2 ranks, micro 8: 13 micro-batches per rank and epoch (the last one 4 samples),
+# accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window;
+# dropout (each rank draws its own masks), AdamW, linear warm-up then cosine.
+EXACT_RESUME = ["data=synthetic", "data.num_samples=200", "data.eval_samples=64",
+                "data.in_dim=8", "data.out_dim=2", "data.micro_batch_size=8",
+                "model.hidden_sizes=[16]", "model.activation=tanh", "model.dropout=0.1",
+                "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
+                "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",
+                "trainer.progress_bar=false"]
+STEPS_PER_EPOCH = 5
+# what summary.json holds that a resumed run must reproduce exactly (timings aside)
+SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval",
+        "sync_backwards", "allreduce_calls", "allreduce_bytes", "amp_skipped_steps",
+        "amp_final_scale", "amp_aborted_windows", "allreduce_skipped",
+        "overflow_flag_allreduces")
+
+
+def plain_cfg(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_plain(compose("config", overrides=overrides))
+    validate(cfg, cuda_available=False)
+    return cfg
+
+
+def losses(rows: list[dict]) -> list[tuple]:
+    """What must match bitwise in metrics.jsonl: everything a row holds except its timing
+    (floats as hex: exact, and a NaN, the loss of an aborted fp16 window, equals itself)."""
+    return [(r["window"], r["step"], r["stepped"], r["epoch"], r["samples"], r["lr"].hex(),
+             r["loss"].hex()) for r in rows]

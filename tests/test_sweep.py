@@ -1,0 +1,300 @@
+"""Hydra multirun sweeps end to end: real jobs (each spawning 2 gloo workers), the summary the
+multirun-end callback writes from the job dirs, the plot, TensorBoard's HParams view, a failed
+job, jobs run two at once by the joblib launcher, and the fixed-global-batch equivalence."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from gradsync import sweep
+from gradsync.config import register_configs, to_plain, validate
+from gradsync.metrics import final_metrics, flat_hparams
+from gradsync.schedules import build_schedule
+from gradsync.train import CONF_DIR
+
+register_configs()
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def multirun(sweep_dir: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+         "trainer.progress_bar=false", *args],
+        capture_output=True, text=True, env=env, timeout=600)
+
+
+def summaries(sweep_dir: Path, jobs: int) -> list[dict]:
+    return [json.loads((sweep_dir / str(j) / "summary.json").read_text()) for j in range(jobs)]
+
+
+def csv_rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with open(sweep_dir / "sweep_summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- presets and pure helpers (no processes) -------------------------------------------------
+def compose_with_hydra(overrides: list[str], with_hydra: bool = True):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=with_hydra)
+
+
+def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
+    cfg = compose_with_hydra(["experiment=accum_sweep"])
+    assert dict(cfg.hydra.sweeper.params) == {"schedule.accum_steps": "1,2,4,8"}
+    assert cfg.schedule.name == "constant" and cfg.sync.name == "accumulate"
+    assert cfg.data.name == "digits"  # the default data, as make sweep promises
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.train.SweepSummary"
+
+
+def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
+    cfg = compose_with_hydra(["experiment=fixed_global_batch"])
+    assert dict(cfg.hydra.sweeper.params) == {"data.micro_batch_size": "16,32,64"}
+    ns = []
+    for micro in (16, 32, 64):
+        plain = to_plain(compose_with_hydra(["experiment=fixed_global_batch",
+                                             f"data.micro_batch_size={micro}"], False))
+        validate(plain, cuda_available=False)
+        ns.append(build_schedule(plain["schedule"], plain["trainer"]["devices"], micro)
+                  .accum_steps(0))
+    assert ns == [4, 2, 1]  # 2 ranks x micro x N = 128 every time
+
+
+def test_flat_hparams_and_final_metrics():
+    assert flat_hparams({"a": {"b": 1, "c": [1, 2]}, "d": True, "e": 0.5, "f": "x"}) == \
+        {"a.b": 1, "a.c": "[1, 2]", "d": "True", "e": 0.5, "f": "x"}
+    s = {"final_train_loss": 0.5, "eval": {"loss": 0.7, "accuracy": 0.9}, "samples_per_s": 10.0,
+         "sync_backwards": [3, 3], "allreduce_calls": [6, 6], "allreduce_bytes": [80, 80],
+         "peak_rss_mb": 300.0, "train_s": 1.0}
+    assert final_metrics(s) == {"final_train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.7,
+                                "samples_per_s": 10.0, "sync_backwards": 3,
+                                "allreduce_calls": 6, "allreduce_bytes": 80,
+                                "peak_rss_mb": 300.0, "train_s": 1.0}
+
+
+def test_swept_keys_are_the_overrides_that_differ():
+    def job(num, **overrides):
+        return sweep.Job(num, Path(str(num)), overrides, {}, [])
+
+    jobs = [job(0, data="synthetic", lr="0.1", n="1"), job(1, data="synthetic", lr="0.1", n="2")]
+    assert sweep.swept_keys(jobs) == ["n"]
+    assert sweep.swept_keys(jobs[:1]) == ["data", "lr", "n"]  # a lone job: all of them
+
+
+# --- a real 3-job sweep (basic launcher, jobs one after another) ------------------------------
+ACCUM = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def accum_sweep(tmp_path_factory, cli_env_module):
+    sweep_dir = tmp_path_factory.mktemp("accum") / "sweep"
+    proc = multirun(sweep_dir, "experiment=accum_sweep", "data=synthetic",
+                    "schedule.accum_steps=" + ",".join(map(str, ACCUM)), "trainer.max_steps=2",
+                    "trainer.log_every=1", env=cli_env_module)
+    assert proc.returncode == 0, proc.stderr
+    return sweep_dir, proc
+
+
+@pytest.mark.slow
+def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep):
+    sweep_dir, proc = accum_sweep
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2"]
+    rows = csv_rows(sweep_dir)
+    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    for n, row, s in zip(ACCUM, rows, summaries(sweep_dir, 3), strict=True):
+        assert s["status"] == row["status"] == "completed"
+        assert row["schedule.accum_steps"] == str(n) and s["accum_steps"] == n
+        assert f"schedule.accum_steps={n}" in row["overrides"].split()
+        assert s["optimizer_steps"] == 2 and s["samples_seen"] == 2 * 2 * n * 32
+        assert int(row["global_batch"]) == 2 * 32 * n
+        # exact: the CSV keeps full precision
+        assert row["final_train_loss"] == repr(s["final_train_loss"])
+        assert float(row["eval_loss"]) == s["eval"]["loss"]
+        for key in ("samples_per_s", "peak_rss_mb", "train_s", "wall_s"):
+            assert float(row[key]) == s[key], key
+        for key in ("sync_backwards", "allreduce_calls", "allreduce_bytes"):
+            assert int(row[key]) == s[key][0] == s[key][1], key
+        assert s["sync_backwards"] == [2, 2]  # accumulate: one syncing backward per step
+        assert row["error"] == ""
+
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert "3 jobs: 3 completed, 0 failed." in md
+    common = next(line for line in md.splitlines() if "Common overrides:" in line)
+    assert {"experiment=accum_sweep", "data=synthetic", "trainer.max_steps=2"} <= \
+        set(common.split("Common overrides: ")[1].rstrip(".").split())
+    assert "Same in every completed job: ranks 2, micro 32, steps 2." in md
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| job | schedule.accum_steps | status | N | global batch |")
+    for n, line, s in zip(ACCUM, table[1:], summaries(sweep_dir, 3), strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(n)]
+        assert f"{s['final_train_loss']:.6g}" in cells
+    assert md in proc.stdout  # printed at the end of the sweep too
+
+
+@pytest.mark.slow
+def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
+    sweep_dir, _ = accum_sweep
+    data = (sweep_dir / "sweep.png").read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (1300, 480)
+    assert len(data) > 20_000
+
+    jobs = sweep.read_jobs(sweep_dir)
+    fig = sweep.plot(jobs, tmp_path / "again.png")
+    loss_ax, speed_ax = fig.axes
+    assert len(loss_ax.lines) == 3  # one loss curve per job, on one axis
+    for line, j in zip(loss_ax.lines, range(3), strict=True):
+        rows = [json.loads(x) for x in (sweep_dir / str(j) / "metrics.jsonl").read_text()
+                .splitlines()]
+        assert list(line.get_xdata()) == [r["samples"] for r in rows]
+        assert list(line.get_ydata()) == [r["loss"] for r in rows]
+    assert list(speed_ax.lines[0].get_ydata()) == \
+        [s["samples_per_s"] for s in summaries(sweep_dir, 3)]
+    assert [t.get_text() for t in speed_ax.get_xticklabels()] == ["1", "2", "4"]
+
+
+@pytest.mark.slow
+def test_summary_of_a_sweep_dir_can_be_written_by_hand(accum_sweep, tmp_path, cli_env):
+    sweep_dir, _ = accum_sweep
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, copy)
+    for name in ("sweep_summary.csv", "sweep_summary.md", "sweep.png"):
+        (copy / name).unlink()
+    proc = subprocess.run([sys.executable, "-m", "gradsync.sweep", str(copy)],
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (copy / "sweep_summary.md").read_text() == \
+        (sweep_dir / "sweep_summary.md").read_text().replace(str(sweep_dir), str(copy))
+    assert [{**r, "dir": ""} for r in csv_rows(copy)] == \
+        [{**r, "dir": ""} for r in csv_rows(sweep_dir)]
+    assert (copy / "sweep.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def hparams_session_groups(logdir: Path) -> dict:
+    """What TensorBoard's HParams tab lists for `tensorboard --logdir logdir`: its own backend
+    (plugin data read from the event files), one session group per job."""
+    from tensorboard.backend.event_processing.data_provider import MultiplexerDataProvider
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.context import RequestContext
+    from tensorboard.plugins.base_plugin import TBContext
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    ctx = backend_context.Context(TBContext(logdir=str(logdir), multiplexer=mux,
+                                            data_provider=MultiplexerDataProvider(mux, logdir)))
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=100, allowed_statuses=[
+        api_pb2.STATUS_UNKNOWN, api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE,
+        api_pb2.STATUS_RUNNING])
+    response = list_session_groups.Handler(RequestContext(), ctx, "", request).run()
+    return {g.name: g for g in response.session_groups}
+
+
+@pytest.mark.slow
+def test_tensorboard_hparams_tab_compares_the_jobs(accum_sweep):
+    sweep_dir, _ = accum_sweep
+    groups = hparams_session_groups(sweep_dir)
+    assert sorted(groups) == ["0/tb", "1/tb", "2/tb"]
+    for j, (n, s) in enumerate(zip(ACCUM, summaries(sweep_dir, 3), strict=True)):
+        g = groups[f"{j}/tb"]
+        assert g.hparams["schedule.accum_steps"].number_value == n
+        assert g.hparams["data.name"].string_value == "synthetic"
+        assert g.hparams["model.hidden_sizes"].string_value == "[128, 128]"
+        metrics = {m.name.tag: m.value for m in g.metric_values}
+        for key, value in final_metrics(s).items():
+            tag = "final/" + key.removeprefix("final_")
+            assert metrics[tag] == pytest.approx(value, rel=1e-6), tag  # stored as float32
+        assert metrics["train/loss"] == pytest.approx(s["final_train_loss"], rel=1e-6)
+
+
+# --- a failed job, and jobs run two at once (joblib launcher) ---------------------------------
+@pytest.mark.slow
+def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(tmp_path,
+                                                                               cli_env):
+    sweep_dir = tmp_path / "sweep"
+    proc = multirun(sweep_dir, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                    "data=synthetic", "trainer.max_steps=3", "optimizer.lr=0.05,-1,0.1",
+                    env=cli_env)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync:")]
+    assert len(errors) == 2, proc.stderr
+    assert re.fullmatch(r"gradsync: training failed: rank [01] failed: "
+                        r"ValueError: Invalid learning rate: -1.0", errors[0])
+    assert errors[1] == f"gradsync: sweep: 1 of 3 jobs failed; see {sweep_dir}/sweep_summary.md"
+
+    rows = csv_rows(sweep_dir)
+    assert [(r["optimizer.lr"], r["status"]) for r in rows] == \
+        [("0.05", "completed"), ("-1", "failed"), ("0.1", "completed")]
+    assert rows[1]["error"] == errors[0].removeprefix("gradsync: ")
+    assert rows[1]["final_train_loss"] == ""
+    s0, failed, s2 = summaries(sweep_dir, 3)
+    assert failed == {"status": "failed", "error": rows[1]["error"]}
+    for row, s in ((rows[0], s0), (rows[2], s2)):
+        assert float(row["final_train_loss"]) == s["final_train_loss"]
+        assert s["optimizer_steps"] == 3 and s["sync_backwards"] == [3, 3]
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert "3 jobs: 2 completed, 1 failed." in md
+    failed_line = next(line for line in md.splitlines() if line.startswith("| 1 | -1 | failed |"))
+    assert failed_line.endswith(f"| {rows[1]['error']} |")
+    assert (sweep_dir / "sweep.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    # Jobs 0 and 1 ran at the same time, each with its own store port, group and dir (job 1
+    # failed only after its process group and DDP were up); job 2 waited for a free slot.
+    def span(j: int) -> tuple[float, float]:
+        d = sweep_dir / str(j)
+        return (d / ".hydra" / "config.yaml").stat().st_mtime, (d / "summary.json").stat().st_mtime
+
+    (start0, end0), (start1, end1), (start2, _) = span(0), span(1), span(2)
+    assert start0 < end1 and start1 < end0, "the joblib jobs did not overlap"
+    assert start2 >= min(end0, end1)  # n_jobs=2: never three at once
+    assert "rank 0/2 up: backend=gloo" in (sweep_dir / "1" / "logs" / "rank0.log").read_text()
+    for j in range(3):
+        logs = sweep_dir / str(j) / "logs"
+        assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log"]
+        hydra_cfg = yaml.safe_load((sweep_dir / str(j) / ".hydra" / "hydra.yaml").read_text())
+        assert hydra_cfg["hydra"]["job"]["num"] == j
+
+
+# --- fixed global batch: the same mathematics, three ways -------------------------------------
+@pytest.mark.slow
+def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
+    # 464 samples: 232 per rank = 3 full windows of 64 samples, then a short one of 40 that
+    # holds 16+16+8 (N=4), 32+8 (N=2) or 40 (N=1) samples: normalising per sample makes them
+    # agree, dividing by N or by micro-batches would not.
+    sweep_dir = tmp_path / "sweep"
+    proc = multirun(sweep_dir, "experiment=fixed_global_batch", "data=synthetic",
+                    "data.num_samples=464", "trainer.max_epochs=2", env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    runs = summaries(sweep_dir, 3)
+    assert [s["accum_steps"] for s in runs] == [4, 2, 1]
+    assert [s["micro_batch_size"] for s in runs] == [16, 32, 64]
+    assert {(s["optimizer_steps"], s["samples_seen"]) for s in runs} == {(8, 928)}
+    assert {tuple(s["sync_backwards"]) for s in runs} == {(8, 8)}
+    first = runs[0]
+    for s in runs[1:]:
+        assert s["final_train_loss"] == pytest.approx(first["final_train_loss"], rel=1e-5, abs=0)
+        assert s["eval"]["loss"] == pytest.approx(first["eval"]["loss"], rel=1e-5, abs=0)
+    params = [torch.load(sweep_dir / str(j) / "checkpoints" / "last.pt", weights_only=True)
+              ["model"] for j in range(3)]
+    for other in params[1:]:
+        for name, value in params[0].items():
+            torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6)
+
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert "Same in every completed job: ranks 2, global batch 128, steps 8." in md
+    spread = next(line for line in md.splitlines() if line.startswith("Final train loss"))
+    relative = float(spread.rsplit("relative ", 1)[1].rstrip(").").strip())
+    assert relative < 1e-5
