@@ -28,7 +28,7 @@ test: install ## run the whole test suite (unit + multi-process gloo tests)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 
 sweep: install ## multirun N=1,2,4,8 (experiment=accum_sweep); summary, plot in the sweep dir

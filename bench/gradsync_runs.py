@@ -17,37 +17,44 @@ from gradsync.metrics import RunLog
 from gradsync.worker import build_parts
 
 
-def config(accum: int, sync: str, trainer: dict | None = None) -> dict:
-    return {
-        "seed": w.SEED,
-        "model": {"name": "mlp", "hidden_sizes": w.HIDDEN, "activation": "relu"},
-        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": w.LR,
-                      "momentum": w.MOMENTUM, "weight_decay": 0.0, "nesterov": False},
-        "schedule": {"name": "constant", "accum_steps": accum},
-        "sync": {"name": sync},
-        "precision": {"name": "fp32", "init_scale": 65536.0, "growth_interval": 2000},
-        "data": dict(w.DATA_CFG),
-        "trainer": {"devices": w.WORLD, "max_steps": -1, "max_epochs": 2, "log_every": 10,
-                    "eval_every": 0, "backend": "gloo", "threads_per_worker": 1,
-                    "progress_bar": False, "clip_grad_norm": 0.0,
-                    "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0, "timeout_s": 120,
-                    **(trainer or {})},
-        "lr_scheduler": {"name": "none"},
-    }
+def config(accum: int, sync: str, overrides: list[str]) -> dict:
+    """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
+    from hydra import compose, initialize_config_dir
+
+    from gradsync.config import register_configs, to_plain, validate
+    from gradsync.train import CONF_DIR
+
+    register_configs()
+    workload = [
+        f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",
+        f"data.eval_samples={w.DATA_CFG['eval_samples']}", f"data.in_dim={w.IN_DIM}",
+        f"data.out_dim={w.OUT_DIM}", f"data.noise={w.DATA_CFG['noise']}",
+        f"data.micro_batch_size={w.MICRO}", "model=mlp", f"model.hidden_sizes={w.HIDDEN}",
+        "model.activation=relu", "optimizer=sgd", f"optimizer.lr={w.LR}",
+        f"optimizer.momentum={w.MOMENTUM}", "lr_scheduler=none",
+        f"schedule.accum_steps={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
+        "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
+    ]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_plain(compose("config", overrides=workload + overrides))
+    validate(cfg, cuda_available=False)
+    return cfg
 
 
-def run(accum: int, sync: str = "accumulate", trainer: dict | None = None,
+def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
         count_hook=None) -> dict:
+    cfg = config(accum, sync, list(overrides))
     w.init()
     rank = dist.get_rank()
-    p = build_parts(config(accum, sync, trainer), rank, w.WORLD, torch.device("cpu"))
+    p = build_parts(cfg, rank, w.WORLD, torch.device("cpu"))
     p.evaluate = dict
     with tempfile.TemporaryDirectory() as tmp:
         log = RunLog(Path(tmp), active=rank == 0)
         state = Progress()
         p.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
         train(p, state, log)
-        state.epoch, p.max_steps = 1, -1  # then all of epoch 1, timed
+        state.epoch, state.epoch_step = 1, 0  # then all of epoch 1, timed
+        p.max_steps, p.max_epochs = -1, 2
         calls, nbytes, steps = p.counts.allreduce_calls, p.counts.allreduce_bytes, state.step
         w.start_clock()
         train(p, state, log)

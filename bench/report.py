@@ -44,11 +44,56 @@ def write(out: Path, runs: dict, traffic: dict, ns: list[int], names: list[str],
             lines.append(
                 f"| {name} | {med[(name, n)]:.0f} [{min(s):.0f}-{max(s):.0f}] | {ratio} | {frac}"
                 f" | {t['allreduce_calls']:.1f} | {t['allreduce_bytes'] / 2**20:.2f}"
-                f" | {_median(rs, 'peak_rss_mb'):.0f} | {_median(rs, 'epoch_loss'):.6f} |")
+                f" | {_median(rs, 'peak_rss_mb'):.0f} | {_median(rs, 'epoch_loss'):.8f} |")
         lines.append("")
+    lines += targets(runs, ns)
     path.write_text("\n".join(lines) + "\n")
     plot(path.with_suffix(".png"), med, ns, names)
     return path
+
+
+EXACT = ("gradsync accumulate", "gradsync always", "gradsync accumulate (gloo all-reduce)",
+         "gradsync accumulate + fused SGD")
+
+
+def targets(runs: dict, ns: list[int]) -> list[str]:
+    """The issue's targets, checked on this run's medians (ratios only: same run, same box)."""
+    def ratio(a: str, b: str, n: int, key: str = "samples_per_s") -> float | None:
+        if (a, n) not in runs or (b, n) not in runs:
+            return None
+        return _median(runs[(a, n)], key) / _median(runs[(b, n)], key)
+
+    rows = []
+    for n in ns:
+        exact = [v for v in EXACT if (v, n) in runs]
+        best = max(exact, key=lambda v: _median(runs[(v, n)], "samples_per_s"), default=None)
+        checks = [("gradsync accumulate / hand-written", "gradsync accumulate", "handwritten",
+                   1.00),
+                  ("gradsync accumulate / Lightning", "gradsync accumulate", "lightning", 1.10),
+                  ("gradsync accumulate / Accelerate", "gradsync accumulate", "accelerate", 1.00),
+                  ("gradsync accumulate / no-comm bound", "gradsync accumulate", "nocomm", None)]
+        if best:
+            checks += [(f"best exact ({best}) / hand-written", best, "handwritten",
+                        1.05 if n > 1 else None),
+                       (f"best exact ({best}) / no-comm bound", best, "nocomm", None)]
+        for what, a, b, goal in checks:
+            r = ratio(a, b, n)
+            if r is not None:
+                rows.append(_check(n, what, r, goal, at_least=True))
+        r = ratio("gradsync accumulate", "handwritten", n, "peak_rss_mb")
+        if r is not None:
+            rows.append(_check(n, "peak RSS: gradsync accumulate / hand-written", r, 1.10,
+                               at_least=False))
+    return ["## Targets (ratios of medians, this run)", "",
+            "| N | ratio | value | target | |", "|---|---|---|---|---|", *rows, ""]
+
+
+def _check(n: int, what: str, r: float, goal: float | None, at_least: bool) -> str:
+    if goal is None:
+        return f"| {n} | {what} | {r:.3f} | | - |"
+    ok = r >= goal if at_least else r <= goal
+    return f"| {n} | {what} | {r:.3f} | {'>=' if at_least else '<='} {goal:.2f} | " \
+           f"{'met' if ok else 'MISSED'} |"
 
 
 def plot(path: Path, med: dict, ns: list[int], names: list[str]) -> None:

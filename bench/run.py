@@ -17,7 +17,6 @@ import importlib
 import os
 import random
 import socket
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,14 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     "nocomm": ("handwritten", "run", {"ddp": False}),
     "gradsync always": ("gradsync_runs", "run", {"sync": "always"}),
     "gradsync accumulate": ("gradsync_runs", "run", {"sync": "accumulate"}),
+    # the policy machinery alone: gradsync's loop on the all-reduce the other variants use
+    "gradsync accumulate (gloo all-reduce)": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("trainer.allreduce=process_group",)}),
+    "gradsync amp_aware (bf16 wire)": ("gradsync_runs", "run", {"sync": "amp_aware"}),
+    # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
+    "gradsync accumulate + fused SGD": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),
 }
@@ -117,8 +124,14 @@ def main() -> None:
                 traffic[(name, n)] = runs[(name, n)][0]
             elif name != "nocomm":
                 traffic[(name, n)] = run_variant(name, n, count=True)
+    import json
+
     import report
 
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    raw = Path(args.out) / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}.json"
+    raw.write_text(json.dumps({"runs": {f"{k[0]}|{k[1]}": v for k, v in runs.items()},
+                               "traffic": {f"{k[0]}|{k[1]}": v for k, v in traffic.items()}}))
     path = report.write(Path(args.out), runs, traffic, ns, names, args.rounds)
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
     print(path.read_text())

@@ -30,6 +30,7 @@ from gradsync.policies import build_policy
 from gradsync.precision import build_precision
 from gradsync.repro import seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
+from gradsync.shm_allreduce import over_shared_memory
 
 log = logging.getLogger("gradsync")
 
@@ -77,7 +78,11 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
     )
     precision = build_precision(cfg["precision"], device.type)
     policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
-    counts = install_counting_hook(ddp, policy.comm_hook())
+    inner = policy.comm_hook()
+    allreduce = tr.get("allreduce", "auto")  # configs built by hand (tests) may lack it
+    if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
+        inner = over_shared_memory(inner, list(ddp.parameters()), allreduce)
+    counts = install_counting_hook(ddp, inner)
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
