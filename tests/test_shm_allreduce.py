@@ -61,6 +61,8 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
     assert losses(shm["rows"]) == losses(pg["rows"])
     for k, v in pg["params"].items():
         assert torch.equal(shm["params"][k], v), k
+    assert (shm["summary"]["allreduce"], pg["summary"]["allreduce"]) == ("shared_memory",
+                                                                         "process_group")
     for key in ("allreduce_calls", "allreduce_bytes", "sync_backwards"):
         assert shm["summary"][key] == pg["summary"][key]
 

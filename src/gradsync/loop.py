@@ -63,6 +63,7 @@ class Parts:
     eval_every: int  # 0: only at the end
     clip_grad_norm: float  # 0: off
     normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
+    allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
     # --- checkpoints and faults (the worker fills these; the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)

@@ -1,7 +1,7 @@
 """Gradient all-reduce through shared memory, for CPU ranks that share one host.
 
 gloo all-reduces over loopback TCP: the benchmark's 12.6 MB of gradients take it ~19 ms per
-synchronising backward on 2 cores; through shared memory they take ~8 (README, benchmark).
+synchronising backward on 2 cores; through shared memory ~9 (README, Benchmark).
 Every rank copies its bucket, divided by the world size as DDP's own hooks do, into its slot
 of one shared buffer; a 1-element gloo all-reduce is the barrier; then every rank sums the
 slots in rank order into its bucket. The same sum in the same order on every rank keeps the
