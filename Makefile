@@ -7,7 +7,7 @@ ARGS   ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep clean distclean
+.PHONY: help install train test lint sweep bench clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -28,11 +28,19 @@ test: install ## run the whole test suite (unit + multi-process gloo tests)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 
 sweep: install ## multirun N=1,2,4,8 (experiment=accum_sweep); summary, plot in the sweep dir
 	$(BIN)/gradsync-train -m experiment=accum_sweep $(ARGS)
+
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP) requirements-bench.lock
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-bench.lock
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Accelerate); BENCH_ARGS=--rounds 1
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache

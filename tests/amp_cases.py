@@ -76,7 +76,7 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
             "drawn": drawn, "computed": len(scales), "scales_seen": scales,
             "sync_backwards": syncs_before_step, "stepped": stepped,
             "scale_after": precision.scale, "lr_steps": p.lr_scheduler.last_epoch,
-            "grads_zeroed": all(q.grad is None for q in ddp.parameters()),
+            "grads_zeroed": all(q.grad is None or not q.grad.any() for q in ddp.parameters()),
             "params": _params(ddp.module),
         })
     return {"initial": initial, "windows": windows, "overflow": vars(policy.overflow).copy(),

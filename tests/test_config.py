@@ -139,3 +139,29 @@ def test_torch_is_pinned_in_the_lock_and_a_range_in_pyproject():
     assert "torch==2.13.0" in (repo / "requirements.lock").read_text().splitlines()
     assert '"torch>=' in (repo / "pyproject.toml").read_text()
     assert torch.__version__.startswith("2.")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
+    from gradsync.config import build_optimizer
+    from gradsync.models import MLP
+
+    params = {}
+    for fused in (None, True):
+        cfg = compose_plain([f"optimizer={opt}"] + (["optimizer.fused=true"] if fused else []))
+        validate(cfg, cuda_available=False)
+        torch.manual_seed(0)
+        model = MLP(8, [16], 4, "tanh")
+        optim = build_optimizer(cfg["optimizer"], model.parameters())
+        assert optim.defaults["fused"] == fused
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for q in model.parameters():
+                q.grad = torch.randn(q.shape, generator=g)
+            optim.step()
+        params[fused] = torch.cat([q.detach().flatten() for q in model.parameters()])
+    moved = (params[True] - params[None]).abs().max()
+    if opt == "sgd":
+        assert moved == 0  # the same bits: fused is a free speed-up for SGD
+    else:
+        assert moved < 1e-6

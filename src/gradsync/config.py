@@ -54,6 +54,7 @@ class SGDConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     nesterov: bool = False
+    fused: bool | None = None  # torch's fused kernel (CPU, CUDA); null: torch's own default
 
 
 @dataclass
@@ -64,6 +65,7 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.01
+    fused: bool | None = None  # torch's fused kernel (CPU, CUDA); null: torch's own default
 
 
 # --- accumulation schedule ----------------------------------------------------------------------
@@ -173,6 +175,7 @@ class TrainerConfig:
     clip_grad_norm: float = 0.0  # 0: no clipping
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float = 25.0
+    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
     timeout_s: int = 300  # process-group timeout
     deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
@@ -311,6 +314,13 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     if tr["backend"] == "nccl" and not cuda_available:
         raise ConfigError("trainer.backend='nccl' needs CUDA, which this machine lacks: "
                           "use auto or gloo")
+    modes = ("auto", "shared_memory", "process_group")
+    _require(tr["allreduce"] in modes, "trainer.allreduce", f"one of {', '.join(modes)}",
+             tr["allreduce"])
+    if tr["allreduce"] == "shared_memory" and (
+            tr["backend"] == "nccl" or (tr["backend"] == "auto" and cuda_available)):
+        raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on CUDA "
+                          "nccl all-reduces: use auto or process_group")
 
     micro = cfg["data"]["micro_batch_size"]
     _require(micro >= 1, "data.micro_batch_size", "an integer >= 1", micro)

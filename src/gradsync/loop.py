@@ -63,6 +63,7 @@ class Parts:
     eval_every: int  # 0: only at the end
     clip_grad_norm: float  # 0: off
     normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
+    allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
     # --- checkpoints and faults (the worker fills these; the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
@@ -128,7 +129,9 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     elif want_norm:
         norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
     stepped = p.precision.step(p.optimizer)
-    p.optimizer.zero_grad(set_to_none=True)
+    # gradients that are views into DDP's buckets stay so (zeroed): set to None, they come back
+    # as fresh tensors that DDP copies into the buckets at every synchronising backward
+    p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view)
     if stepped:
         p.lr_scheduler.step()
     return stepped, norm

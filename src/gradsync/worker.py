@@ -30,6 +30,7 @@ from gradsync.policies import build_policy
 from gradsync.precision import build_precision
 from gradsync.repro import seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
+from gradsync.shm_allreduce import over_shared_memory, shm_hook
 
 log = logging.getLogger("gradsync")
 
@@ -77,7 +78,12 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
     )
     precision = build_precision(cfg["precision"], device.type)
     policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
-    counts = install_counting_hook(ddp, policy.comm_hook())
+    inner = policy.comm_hook()
+    allreduce = tr.get("allreduce", "auto")  # configs built by hand (tests) may lack it
+    if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
+        inner = over_shared_memory(inner, list(ddp.parameters()), allreduce)
+    counts = install_counting_hook(ddp, inner)
+    transport = "shared_memory" if inner.hook is shm_hook else "process_group"
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
     total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
@@ -109,6 +115,7 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
         eval_every=tr["eval_every"],
         clip_grad_norm=tr["clip_grad_norm"],
         normalizer=normalizer,
+        allreduce=transport,
         checkpoint_every=tr["checkpoint_every"],
         check_finite=precision.name == "fp32",
         fail_at_step=tr["fail_at_step"],
@@ -225,6 +232,7 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "loss_normalize": p.normalizer.name,
         "precision": p.precision.name,
         "backend": dist.get_backend(),
+        "allreduce": p.allreduce,
         "seed": cfg["seed"],
     }
 

@@ -1,0 +1,70 @@
+"""gradsync's own loop on the benchmark workload: the worker's real build_parts and loop.train
+(sync policy, counting comm hook, per-sample normalisation, rank-0 metrics.jsonl and
+TensorBoard logging every 10 steps), with no held-out evaluation (no other variant has one)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import workload as w
+from gradsync.loop import Progress, train
+from gradsync.metrics import RunLog
+from gradsync.worker import build_parts
+
+
+def config(accum: int, sync: str, overrides: list[str]) -> dict:
+    """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
+    from hydra import compose, initialize_config_dir
+
+    from gradsync.config import register_configs, to_plain, validate
+    from gradsync.train import CONF_DIR
+
+    register_configs()
+    workload = [
+        f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",
+        f"data.eval_samples={w.DATA_CFG['eval_samples']}", f"data.in_dim={w.IN_DIM}",
+        f"data.out_dim={w.OUT_DIM}", f"data.noise={w.DATA_CFG['noise']}",
+        f"data.micro_batch_size={w.MICRO}", "model=mlp", f"model.hidden_sizes={w.HIDDEN}",
+        "model.activation=relu", "optimizer=sgd", f"optimizer.lr={w.LR}",
+        f"optimizer.momentum={w.MOMENTUM}", "lr_scheduler=none",
+        f"schedule.accum_steps={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
+        "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
+    ]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_plain(compose("config", overrides=workload + overrides))
+    validate(cfg, cuda_available=False)
+    return cfg
+
+
+def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
+        count_hook=None) -> dict:
+    cfg = config(accum, sync, list(overrides))
+    w.init()
+    rank = dist.get_rank()
+    p = build_parts(cfg, rank, w.WORLD, torch.device("cpu"))
+    p.evaluate = dict
+    with tempfile.TemporaryDirectory() as tmp:
+        log = RunLog(Path(tmp), active=rank == 0)
+        state = Progress()
+        p.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
+        train(p, state, log)
+        state.epoch, state.epoch_step = 1, 0  # then all of epoch 1, timed
+        p.max_steps, p.max_epochs = -1, 2
+        calls, nbytes, steps = p.counts.allreduce_calls, p.counts.allreduce_bytes, state.step
+        w.start_clock()
+        train(p, state, log)
+        samples_per_s = w.stop_clock()
+        log.close()
+        losses = []
+        if rank == 0:
+            rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+            losses = [r["loss"] for r in rows if r["epoch"] == 1]
+    timed_steps = state.step - steps
+    return w.result(samples_per_s, sum(losses), len(losses),
+                    allreduce_calls=(p.counts.allreduce_calls - calls) / timed_steps,
+                    allreduce_bytes=(p.counts.allreduce_bytes - nbytes) / timed_steps)

@@ -1,0 +1,115 @@
+"""The benchmark's table (Markdown) and plot (PNG), from the runs of bench/run.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def _median(rs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rs)
+
+
+def write(out: Path, runs: dict, traffic: dict, ns: list[int], names: list[str],
+          rounds: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}.md"
+    med = {k: _median(v, "samples_per_s") for k, v in runs.items()}
+    lines = [
+        f"# gradsync benchmark, {dt.datetime.now():%Y-%m-%d %H:%M}",
+        "",
+        f"Workload: bench/workload.py (synthetic 8192 x 512 regression, MLP 512-1024-1024-1024-512,"
+        f" SGD, 32 samples per rank per micro-batch, 2 processes on gloo, 1 thread each). "
+        f"{rounds} interleaved rounds; samples/s of the timed epoch, median [min-max]. "
+        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads "
+        f"available to the harness.",
+        "",
+    ]
+    for n in ns:
+        lines += [f"## N = {n}", "",
+                  "| variant | samples/s median [min-max] | x hand-written | x no-comm bound |"
+                  " all-reduce calls / step | MB / step | peak RSS MB | epoch loss |",
+                  "|---|---|---|---|---|---|---|---|"]
+        base, bound = med.get(("handwritten", n)), med.get(("nocomm", n))
+        for name in names:
+            rs = runs[(name, n)]
+            s = [r["samples_per_s"] for r in rs]
+            t = traffic.get((name, n), {"allreduce_calls": 0.0, "allreduce_bytes": 0.0})
+            ratio = f"{med[(name, n)] / base:.3f}" if base else "-"
+            frac = f"{med[(name, n)] / bound:.3f}" if bound else "-"
+            lines.append(
+                f"| {name} | {med[(name, n)]:.0f} [{min(s):.0f}-{max(s):.0f}] | {ratio} | {frac}"
+                f" | {t['allreduce_calls']:.1f} | {t['allreduce_bytes'] / 2**20:.2f}"
+                f" | {_median(rs, 'peak_rss_mb'):.0f} | {_median(rs, 'epoch_loss'):.8f} |")
+        lines.append("")
+    lines += targets(runs, ns)
+    path.write_text("\n".join(lines) + "\n")
+    plot(path.with_suffix(".png"), med, ns, names)
+    return path
+
+
+EXACT = ("gradsync accumulate", "gradsync always", "gradsync accumulate (gloo all-reduce)",
+         "gradsync accumulate + fused SGD")
+
+
+def targets(runs: dict, ns: list[int]) -> list[str]:
+    """The issue's targets, checked on this run's medians (ratios only: same run, same box)."""
+    def ratio(a: str, b: str, n: int, key: str = "samples_per_s") -> float | None:
+        if (a, n) not in runs or (b, n) not in runs:
+            return None
+        return _median(runs[(a, n)], key) / _median(runs[(b, n)], key)
+
+    rows = []
+    for n in ns:
+        exact = [v for v in EXACT if (v, n) in runs]
+        best = max(exact, key=lambda v: _median(runs[(v, n)], "samples_per_s"), default=None)
+        checks = [("gradsync accumulate / hand-written", "gradsync accumulate", "handwritten",
+                   1.00),
+                  ("gradsync accumulate / Lightning", "gradsync accumulate", "lightning", 1.10),
+                  ("gradsync accumulate / Accelerate", "gradsync accumulate", "accelerate", 1.00),
+                  ("gradsync accumulate / no-comm bound", "gradsync accumulate", "nocomm", None)]
+        if best:
+            checks += [(f"best exact ({best}) / hand-written", best, "handwritten",
+                        1.05 if n > 1 else None),
+                       (f"best exact ({best}) / no-comm bound", best, "nocomm", None)]
+        for what, a, b, goal in checks:
+            r = ratio(a, b, n)
+            if r is not None:
+                rows.append(_check(n, what, r, goal, at_least=True))
+        r = ratio("gradsync accumulate", "handwritten", n, "peak_rss_mb")
+        if r is not None:
+            rows.append(_check(n, "peak RSS: gradsync accumulate / hand-written", r, 1.10,
+                               at_least=False))
+    return ["## Targets (ratios of medians, this run)", "",
+            "| N | ratio | value | target | |", "|---|---|---|---|---|", *rows, ""]
+
+
+def _check(n: int, what: str, r: float, goal: float | None, at_least: bool) -> str:
+    if goal is None:
+        return f"| {n} | {what} | {r:.3f} | | - |"
+    ok = r >= goal if at_least else r <= goal
+    return f"| {n} | {what} | {r:.3f} | {'>=' if at_least else '<='} {goal:.2f} | " \
+           f"{'met' if ok else 'MISSED'} |"
+
+
+def plot(path: Path, med: dict, ns: list[int], names: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        ax.plot(ns, [med[(name, n)] for n in ns], marker="o", label=name)
+    ax.set_xlabel("accumulation steps N")
+    ax.set_ylabel("samples/s (median)")
+    ax.set_xticks(ns)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,141 @@
+"""make bench: every variant on the same workload (workload.py), side by side in one run.
+
+Variants are interleaved (a shuffled order per round and N) and repeated; each run is a fresh
+pair of processes, so peak RSS is per variant. Reports the median samples/s of the timed epoch
+with min-max, ratios to the hand-written loop and to the no-communication bound, all-reduce
+calls and bytes per optimizer step (measured by a counting comm hook; for the variants that do
+not install one themselves, in a separate untimed run so the hook cannot slow them down), the
+largest worker's peak RSS and the timed epoch's mean loss. Writes bench/results/<date>.md and
+a PNG of samples/s against N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import os
+import random
+import socket
+import sys
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+# name -> (module, function, kwargs); gradsync's variants count their own traffic
+VARIANTS: dict[str, tuple[str, str, dict]] = {
+    "handwritten": ("handwritten", "run", {}),
+    "nocomm": ("handwritten", "run", {"ddp": False}),
+    "gradsync always": ("gradsync_runs", "run", {"sync": "always"}),
+    "gradsync accumulate": ("gradsync_runs", "run", {"sync": "accumulate"}),
+    # the policy machinery alone: gradsync's loop on the all-reduce the other variants use
+    "gradsync accumulate (gloo all-reduce)": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("trainer.allreduce=process_group",)}),
+    "gradsync amp_aware (bf16 wire)": ("gradsync_runs", "run", {"sync": "amp_aware"}),
+    # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
+    "gradsync accumulate + fused SGD": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),
+    "lightning": ("frameworks", "lightning", {}),
+    "accelerate": ("frameworks", "accelerate", {}),
+}
+SELF_COUNTING = {name for name, (mod, _, _) in VARIANTS.items() if mod == "gradsync_runs"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, module: str, fn: str, kwargs: dict, accum: int,
+           count: bool, out) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(BENCH))
+    try:
+        hook = importlib.import_module("counting").install if count else None
+        res = getattr(importlib.import_module(module), fn)(accum, count_hook=hook, **kwargs)
+        if count:
+            res.update(importlib.import_module("counting").per_step(accum))
+        out.put((rank, res))
+    except Exception as e:  # report, don't hang the harness
+        out.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+
+
+def run_variant(name: str, accum: int, count: bool = False, timeout: float = 600) -> dict:
+    module, fn, kwargs = VARIANTS[name]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, 2, port, module, fn, kwargs, accum, count, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, res = out.get(timeout=timeout)
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        raise RuntimeError(f"{name} N={accum}: {errors[0]}")
+    r0 = dict(results[0])
+    r0["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results.values())
+    return r0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n", default="1,4,8", help="accumulation steps to compare")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=str(BENCH / "results"))
+    ap.add_argument("--seed", type=int, default=0, help="seeds the interleaving order")
+    args = ap.parse_args()
+    ns = [int(n) for n in args.n.split(",")]
+    names = args.variants.split(",")
+    rng = random.Random(args.seed)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for n in ns:
+            order = names[:]
+            rng.shuffle(order)
+            for name in order:
+                res = run_variant(name, n)
+                runs.setdefault((name, n), []).append(res)
+                print(f"round {rnd + 1} N={n} {name:22s} {res['samples_per_s']:8.0f} samples/s"
+                      f"  loss {res['epoch_loss']:.6f}  rss {res['peak_rss_mb']:.0f} MB",
+                      flush=True)
+    traffic = {}
+    for n in ns:
+        for name in names:
+            if name in SELF_COUNTING:
+                traffic[(name, n)] = runs[(name, n)][0]
+            elif name != "nocomm":
+                traffic[(name, n)] = run_variant(name, n, count=True)
+    import json
+
+    import report
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    raw = Path(args.out) / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}.json"
+    raw.write_text(json.dumps({"runs": {f"{k[0]}|{k[1]}": v for k, v in runs.items()},
+                               "traffic": {f"{k[0]}|{k[1]}": v for k, v in traffic.items()}}))
+    path = report.write(Path(args.out), runs, traffic, ns, names, args.rounds)
+    print(f"\nwrote {path} and {path.with_suffix('.png')}")
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The one workload every benchmark variant runs, so differences are the variants' own:
+deterministic synthetic regression (8192 x 512 -> 512), an MLP 512-1024-1024-1024-512
+(3.2 M parameters), MSE, SGD(lr 0.01, momentum 0.9), 32 samples per rank per micro-batch,
+2 processes on gloo with one intra-op thread each, a seeded DistributedSampler, loss / N.
+
+Protocol (every variant): a warm-up of WARMUP_MICRO micro-batches of epoch 0 (not timed), then
+epoch 1 in full, timed between two barriers: 128 micro-batches per rank, 128 / N optimizer steps.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from gradsync.data import synthetic
+from gradsync.models import MLP
+
+SEED = 0
+WORLD = 2
+MICRO = 32
+SAMPLES, IN_DIM, OUT_DIM, HIDDEN = 8192, 512, 512, [1024, 1024, 1024]
+LR, MOMENTUM = 0.01, 0.9
+WARMUP_MICRO = 16
+DATA_CFG = {"name": "synthetic", "micro_batch_size": MICRO, "num_samples": SAMPLES,
+            "eval_samples": 64, "in_dim": IN_DIM, "out_dim": OUT_DIM, "noise": 0.05}
+
+
+def dataset() -> TensorDataset:
+    return synthetic(DATA_CFG, SEED).train
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return MLP(IN_DIM, HIDDEN, OUT_DIM, "relu")
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def loader(ds: TensorDataset) -> tuple[DataLoader, DistributedSampler]:
+    sampler: DistributedSampler = DistributedSampler(ds, shuffle=True, seed=SEED)
+    return DataLoader(ds, batch_size=MICRO, sampler=sampler), sampler
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+def init() -> None:
+    """Join the group from the harness's env:// variables; one intra-op thread per process."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def result(samples_per_s: float, loss_sum: float, loss_count: int, **extra) -> dict:
+    """What every variant reports: global samples/s of the timed epoch, the mean micro-batch
+    loss over the timed epoch and all ranks, and this process's peak RSS."""
+    t = torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {"samples_per_s": samples_per_s, "epoch_loss": (t[0] / t[1]).item(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "pid": os.getpid(), **extra}
+
+
+_clock: dict[str, float] = {}
+on_clock_start: list = []  # the accounting runs reset their counters here
+
+
+def start_clock() -> None:
+    dist.barrier()
+    for fn in on_clock_start:
+        fn()
+    _clock["t0"] = time.perf_counter()
+
+
+def stop_clock() -> float:
+    """Global samples/s of the timed epoch (one epoch over all ranks)."""
+    dist.barrier()
+    return SAMPLES / (time.perf_counter() - _clock["t0"])

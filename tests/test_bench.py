@@ -1,0 +1,45 @@
+"""The benchmark harness for one tiny round (no timing is asserted: benchmarks are not tests):
+it runs real variants side by side on the bench workload and writes its table, plot and raw
+numbers, and the variants it compares train the same model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cli_environ
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+VARIANTS = "handwritten,nocomm,gradsync accumulate"
+GRAD_MB = 3_149_312 * 4 / 2**20  # the bench MLP's gradients, fp32
+
+
+def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--rounds", "1", "--n", "8",
+         "--variants", VARIANTS, "--out", str(tmp_path)],
+        env=cli_environ(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    md, png, raw = (sorted(tmp_path.glob(f"*.{ext}")) for ext in ("md", "png", "json"))
+    assert len(md) == len(png) == len(raw) == 1 and png[0].stat().st_size > 10_000
+    runs = {k: v[0] for k, v in json.loads(raw[0].read_text())["runs"].items()}
+    traffic = json.loads(raw[0].read_text())["traffic"]
+    assert set(runs) == {f"{v}|8" for v in VARIANTS.split(",")}
+    assert all(r["samples_per_s"] > 0 and r["peak_rss_mb"] > 100 for r in runs.values())
+    # one workload: the same data order, model and updates in every variant
+    losses = [r["epoch_loss"] for r in runs.values()]
+    assert max(losses) - min(losses) < 1e-6 * abs(losses[0])
+    # N = 8: 16 optimizer steps in the timed epoch, each one synchronising backward
+    for name in ("handwritten", "gradsync accumulate"):
+        t = traffic[f"{name}|8"]
+        assert t["allreduce_bytes"] / 2**20 == pytest.approx(GRAD_MB, rel=1e-9)
+        assert t["allreduce_calls"] >= 1
+    table = md[0].read_text()
+    for v in VARIANTS.split(","):
+        assert f"| {v} |" in table
+    assert "| 8 | gradsync accumulate / hand-written |" in table
+    assert "| handwritten | " in table and "| 1.000 | " in table

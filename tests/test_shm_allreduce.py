@@ -1,0 +1,80 @@
+"""The shared-memory all-reduce (trainer.allreduce): gloo's result bit for bit, in several
+buckets and over several backwards, low-precision wires, the fall-back across hosts, nothing
+left in /dev/shm, and whole runs that match the process-group transport bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import shm_cases
+from configs import losses, plain_cfg
+from dist_cases import train_run_rows
+from gradsync.config import ConfigError, to_plain, validate
+from gradsync.train import CONF_DIR
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("wire", [None, "bf16", "fp16"])
+def test_shared_memory_gives_the_process_groups_mean_bit_for_bit(pool2, wire):
+    via_pg = pool2.run(shm_cases.synced_grads, "pg", wire)
+    via_shm = pool2.run(shm_cases.synced_grads, "shm", wire)
+    assert via_shm[0]["hook"] == "shm_hook" and via_pg[0]["hook"] != "shm_hook"
+    for pg, shm in zip(via_pg, via_shm, strict=True):
+        assert len(shm["synced"]) == 3
+        for a, b in zip(pg["synced"], shm["synced"], strict=True):
+            assert torch.equal(a, b)  # every window, every bucket, bitwise
+        assert shm["calls"] == pg["calls"] > 3  # several buckets per backward
+        assert shm["bytes"] == pg["bytes"]
+        assert shm["new_files"] == set()  # the name is gone once every rank mapped it
+    # and it is the mean of the ranks' own gradients (up to the wire's rounding)
+    eps = {None: 1e-6, "bf16": 2**-8, "fp16": 2**-11}[wire]  # the wire's relative rounding
+    for w in range(3):
+        a, b = via_shm[0]["local"][w], via_shm[1]["local"][w]
+        assert torch.equal(via_shm[0]["synced"][w], via_shm[1]["synced"][w])
+        # each rank's share is rounded on the wire: the error scales with the larger share
+        err = (via_shm[0]["synced"][w] - (a + b) / 2).abs()
+        assert bool((err <= 2 * eps * torch.maximum(a.abs(), b.abs()) + 1e-6).all())
+        assert not torch.allclose(a, (a + b) / 2, atol=1e-3)
+
+
+def test_ranks_on_different_hosts_fall_back_or_refuse(pool2):
+    assert pool2.run(shm_cases.refused_across_hosts, "auto") == ["unchanged", "unchanged"]
+    errors = pool2.run(shm_cases.refused_across_hosts, "shared_memory")
+    assert all(e.startswith("error: trainer.allreduce=shared_memory needs every rank on one "
+                            "host") for e in errors)
+    assert pool2.run(shm_cases.shm_files) == [[], []]
+
+
+def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
+    base = ["data=synthetic", "data.num_samples=256", "data.micro_batch_size=16",
+            "model.hidden_sizes=[32,32]", "schedule.accum_steps=2", "trainer.max_epochs=2",
+            "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1"]
+    runs = {}
+    for mode in ("shared_memory", "process_group"):
+        cfg = plain_cfg([*base, f"trainer.allreduce={mode}"])
+        runs[mode], _ = pool2.run(train_run_rows, cfg, str(tmp_path / mode))
+    shm, pg = runs["shared_memory"], runs["process_group"]
+    assert len(shm["rows"]) == 2 * 256 // (2 * 16 * 2)
+    assert losses(shm["rows"]) == losses(pg["rows"])
+    for k, v in pg["params"].items():
+        assert torch.equal(shm["params"][k], v), k
+    assert (shm["summary"]["allreduce"], pg["summary"]["allreduce"]) == ("shared_memory",
+                                                                         "process_group")
+    for key in ("allreduce_calls", "allreduce_bytes", "sync_backwards"):
+        assert shm["summary"][key] == pg["summary"][key]
+
+
+def test_allreduce_mode_is_checked_before_any_worker_starts():
+    def composed(overrides):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return to_plain(compose("config", overrides=overrides))
+
+    with pytest.raises(ConfigError, match="trainer.allreduce='tcp' is not allowed"):
+        validate(composed(["trainer.allreduce=tcp"]), cuda_available=False)
+    with pytest.raises(ConfigError, match="shared_memory is for CPU ranks"):
+        validate(composed(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
+                 cuda_available=True)
+    validate(composed(["trainer.allreduce=shared_memory"]), cuda_available=False)
