@@ -78,3 +78,22 @@ def test_allreduce_mode_is_checked_before_any_worker_starts():
         validate(composed(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
                  cuda_available=True)
     validate(composed(["trainer.allreduce=shared_memory"]), cuda_available=False)
+
+
+def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():
+    """More than two slots: every rank sums all three in rank order (gloo's ring sums in
+    another order, so the check is against the mean, and replicas are bitwise equal)."""
+    from dist_pool import DistPool
+
+    pool = DistPool(3)
+    try:
+        ranks = pool.run(shm_cases.synced_grads, "shm", None)
+    finally:
+        pool.close()
+    assert ranks[0]["hook"] == "shm_hook"
+    for w in range(3):
+        local = [r["local"][w] for r in ranks]
+        assert torch.equal(ranks[0]["synced"][w], ranks[1]["synced"][w])
+        assert torch.equal(ranks[0]["synced"][w], ranks[2]["synced"][w])
+        torch.testing.assert_close(ranks[0]["synced"][w], sum(local) / 3, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(local[0], sum(local) / 3, atol=1e-3)
