@@ -52,6 +52,7 @@ def write(out: Path, runs: dict, traffic: dict, ns: list[int], names: list[str],
     return path
 
 
+APPROX = "gradsync accumulate + PowerSGD"
 EXACT = ("gradsync accumulate", "gradsync always", "gradsync accumulate (gloo all-reduce)",
          "gradsync accumulate + fused SGD")
 
@@ -80,6 +81,13 @@ def targets(runs: dict, ns: list[int]) -> list[str]:
             r = ratio(a, b, n)
             if r is not None:
                 rows.append(_check(n, what, r, goal, at_least=True))
+        r = ratio(APPROX, "nocomm", n)
+        if r is not None:
+            rows.append(_check(n, f"{APPROX} / no-comm bound", r, 0.90 if n == 4 else None,
+                               at_least=True))
+            r = abs(ratio(APPROX, "gradsync accumulate", n, "epoch_loss") - 1)
+            rows.append(_check(n, f"{APPROX}: epoch loss off exact by", r, 0.02,
+                               at_least=False))
         r = ratio("gradsync accumulate", "handwritten", n, "peak_rss_mb")
         if r is not None:
             rows.append(_check(n, "peak RSS: gradsync accumulate / hand-written", r, 1.10,

@@ -36,6 +36,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
         "gradsync_runs", "run",
         {"sync": "accumulate", "overrides": ("trainer.allreduce=process_group",)}),
     "gradsync amp_aware (bf16 wire)": ("gradsync_runs", "run", {"sync": "amp_aware"}),
+    # approximate: rank-4 factors of the weight gradients from the first timed step on
+    "gradsync accumulate + PowerSGD": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("sync.compression=powersgd", "sync.powersgd_rank=4",
+                                             "sync.powersgd_start_step=2")}),
     # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
     "gradsync accumulate + fused SGD": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),
