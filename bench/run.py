@@ -12,7 +12,6 @@ a PNG of samples/s against N.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import os
 import random
@@ -36,6 +35,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
         "gradsync_runs", "run",
         {"sync": "accumulate", "overrides": ("trainer.allreduce=process_group",)}),
     "gradsync amp_aware (bf16 wire)": ("gradsync_runs", "run", {"sync": "amp_aware"}),
+    # approximate: rank-4 factors of the weight gradients from the first timed step on
+    "gradsync accumulate + PowerSGD": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("sync.compression=powersgd", "sync.powersgd_rank=4",
+                                             "sync.powersgd_start_step=2")}),
     # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
     "gradsync accumulate + fused SGD": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),
@@ -102,7 +106,14 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--seed", type=int, default=0, help="seeds the interleaving order")
+    ap.add_argument("--report", metavar="JSON", help="only re-render the table and plot of a "
+                    "saved run (results/<date>.json)")
     args = ap.parse_args()
+    if args.report:
+        import report
+
+        print(report.rerender(Path(args.report)).read_text())
+        return
     ns = [int(n) for n in args.n.split(",")]
     names = args.variants.split(",")
     rng = random.Random(args.seed)
@@ -124,15 +135,9 @@ def main() -> None:
                 traffic[(name, n)] = runs[(name, n)][0]
             elif name != "nocomm":
                 traffic[(name, n)] = run_variant(name, n, count=True)
-    import json
-
     import report
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    raw = Path(args.out) / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}.json"
-    raw.write_text(json.dumps({"runs": {f"{k[0]}|{k[1]}": v for k, v in runs.items()},
-                               "traffic": {f"{k[0]}|{k[1]}": v for k, v in traffic.items()}}))
-    path = report.write(Path(args.out), runs, traffic, ns, names, args.rounds)
+    path = report.save(Path(args.out), runs, traffic, ns, names, args.rounds)
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
     print(path.read_text())
 

@@ -31,6 +31,9 @@ class InnerHook:
     hook: Hook = default_hooks.allreduce_hook
     state: Any = None  # the default hooks' state: the process group (None: the default group)
     wire_dtype: torch.dtype | None = None  # None: the bucket's own dtype
+    # bytes the last call put on the wire (PowerSGD); None: the whole bucket in wire_dtype,
+    # an all-reduce that the shared-memory transport can do instead
+    sent: Callable[[Any, dist.GradBucket], int] | None = None
 
 
 # DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.
@@ -56,13 +59,14 @@ class CountingState:
 def counting_hook(
     state: CountingState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    buf = bucket.buffer()
-    itemsize = (state.inner.wire_dtype or buf.dtype).itemsize
+    inner, buf = state.inner, bucket.buffer()
+    whole = buf.numel() * (inner.wire_dtype or buf.dtype).itemsize
+    fut = inner.hook(inner.state, bucket)
     state.counts.allreduce_calls += 1
-    state.counts.allreduce_bytes += buf.numel() * itemsize
+    state.counts.allreduce_bytes += whole if inner.sent is None else inner.sent(inner.state, bucket)
     if bucket.is_last():
         state.counts.sync_backwards += 1
-    return state.inner.hook(state.inner.state, bucket)
+    return fut
 
 
 def install_counting_hook(ddp, inner: InnerHook | None = None) -> CommCounts:

@@ -94,11 +94,19 @@ class GlobalBatchScheduleConfig:
 # --- sync policy ------------------------------------------------------------------------------
 @dataclass
 class SyncConfig:
-    name: str = "accumulate"
+    name: str = "always"
 
 
 @dataclass
-class AmpAwareSyncConfig:
+class AccumulateSyncConfig:
+    name: str = "accumulate"
+    compression: str = "none"  # none | powersgd: all-reduce rank-r factors (approximate)
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 10  # synchronising backwards all-reduced exactly first (>= 2)
+
+
+@dataclass
+class AmpAwareSyncConfig(AccumulateSyncConfig):
     name: str = "amp_aware"
     comm_dtype: str = "bf16"  # bf16 | fp16 (needs precision=fp16) | fp32: the all-reduce's dtype
     overflow_consensus: bool = True  # fp16 only: abort a window as soon as any rank overflows
@@ -221,7 +229,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "epochwise": EpochwiseScheduleConfig,
         "global_batch": GlobalBatchScheduleConfig,
     },
-    "sync": {"always": SyncConfig, "accumulate": SyncConfig, "amp_aware": AmpAwareSyncConfig},
+    "sync": {"always": SyncConfig, "accumulate": AccumulateSyncConfig,
+             "amp_aware": AmpAwareSyncConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
     "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig,
              "synthetic_lm": SyntheticLMDataConfig},
@@ -387,6 +396,20 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
              pcfg["growth_factor"])
     _require(0 < pcfg["backoff_factor"] < 1, "precision.backoff_factor", "a number in (0, 1)",
              pcfg["backoff_factor"])
+    if sync.get("compression", "none") != "none":
+        _require(sync["compression"] == "powersgd", "sync.compression", "none or powersgd",
+                 sync["compression"])
+        _require(sync["powersgd_rank"] >= 1, "sync.powersgd_rank", "an integer >= 1",
+                 sync["powersgd_rank"])
+        _require(sync["powersgd_start_step"] >= 2, "sync.powersgd_start_step",
+                 "an integer >= 2 (torch's PowerSGD with error feedback)",
+                 sync["powersgd_start_step"])
+        if sync["name"] == "amp_aware" and sync["comm_dtype"] != "fp32":
+            raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
+                              f"sync.comm_dtype=fp32 (not {sync['comm_dtype']!r})")
+        if cfg["trainer"]["allreduce"] == "shared_memory":
+            raise ConfigError("sync.compression=powersgd all-reduces through the process "
+                              "group: use trainer.allreduce=auto or process_group")
     if sync["name"] == "amp_aware":
         _require(sync["comm_dtype"] in DTYPES, "sync.comm_dtype", "one of bf16, fp16, fp32",
                  sync["comm_dtype"])

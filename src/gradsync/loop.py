@@ -129,6 +129,7 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     elif want_norm:
         norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
     stepped = p.precision.step(p.optimizer)
+    p.policy.after_step(stepped)
     # gradients that are views into DDP's buckets stay so (zeroed): set to None, they come back
     # as fresh tensors that DDP copies into the buckets at every synchronising backward
     p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view)

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
 from gradsync.comm import InnerHook, allreduce_in
+from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
 
 
@@ -47,6 +48,10 @@ class SyncPolicy(Protocol):
         place) identical on every rank."""
         ...
 
+    def after_step(self, stepped: bool) -> None:
+        """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
+        ...
+
 
 class PlainSync:
     """What a policy that neither changes the all-reduce nor looks at overflows answers."""
@@ -65,6 +70,9 @@ class PlainSync:
         """Nothing to do: after a full all-reduce every rank holds the same gradients, so the
         scaler finds the same inf/nan everywhere."""
 
+    def after_step(self, stepped: bool) -> None:
+        pass
+
 
 class AlwaysSync(PlainSync):
     """Every backward all-reduces; the baseline that accumulation saves against."""
@@ -76,9 +84,23 @@ class AlwaysSync(PlainSync):
 
 
 class AccumulateSync(PlainSync):
-    """Only the last micro-batch of each window (a short last window included) all-reduces."""
+    """Only the last micro-batch of each window (a short last window included) all-reduces;
+    with powersgd, rank-r factors of the gradients instead of the gradients (approximate)."""
 
     name = "accumulate"
+
+    def __init__(self, powersgd: PowerSGD | None = None):
+        super().__init__()
+        self.powersgd = powersgd
+
+    def comm_hook(self) -> InnerHook:
+        if self.powersgd is None:
+            return allreduce_in(None)
+        return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes)
+
+    def after_step(self, stepped: bool) -> None:
+        if self.powersgd is not None and not stepped:
+            self.powersgd.forget()  # its memory of the skipped window holds inf/nan
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return micro_index == window_size - 1
@@ -98,13 +120,13 @@ class AmpAwareSync(AccumulateSync):
     name = "amp_aware"
 
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
-                 uses_scaler: bool = False):
-        super().__init__()
+                 uses_scaler: bool = False, powersgd: PowerSGD | None = None):
+        super().__init__(powersgd)
         self.wire_dtype = DTYPES[comm_dtype]
         self.consensus = overflow_consensus and uses_scaler
 
     def comm_hook(self) -> InnerHook:
-        return allreduce_in(self.wire_dtype)
+        return super().comm_hook() if self.powersgd else allreduce_in(self.wire_dtype)
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:
@@ -137,8 +159,12 @@ POLICIES: dict[str, type] = {"always": AlwaysSync, "accumulate": AccumulateSync,
 
 def build_policy(cfg: dict[str, Any], uses_scaler: bool = False) -> SyncPolicy:
     """uses_scaler: the run trains in fp16 with a GradScaler (amp_aware then checks overflows)."""
+    psgd = (build_powersgd(cfg["powersgd_rank"], cfg["powersgd_start_step"])
+            if cfg.get("compression", "none") == "powersgd" else None)
     if cfg["name"] == "amp_aware":
-        return AmpAwareSync(cfg["comm_dtype"], cfg["overflow_consensus"], uses_scaler)
+        return AmpAwareSync(cfg["comm_dtype"], cfg["overflow_consensus"], uses_scaler, psgd)
+    if cfg["name"] == "accumulate":
+        return AccumulateSync(psgd)
     return POLICIES[cfg["name"]]()
 
 

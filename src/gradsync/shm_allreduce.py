@@ -125,6 +125,11 @@ def over_shared_memory(inner: InnerHook, params: list[torch.nn.Parameter],
     """The policy's all-reduce (inner: exact or a compress hook's wire dtype) done through
     shared memory. mode: auto (when every rank is on this host, else inner unchanged) or
     shared_memory (an error otherwise). Collective over the default group."""
+    if inner.sent is not None:  # not a plain all-reduce of the bucket (PowerSGD)
+        if mode == "shared_memory":
+            raise RuntimeError("trainer.allreduce=shared_memory all-reduces whole buckets; "
+                               "sync.compression=powersgd needs process_group or auto")
+        return inner
     grads = sum(p.numel() * p.element_size() for p in params)
     capacity = (-(-grads // ALIGN) + len(params) + 1) * ALIGN  # each bucket padded to ALIGN
     slots = map_slots(capacity)
