@@ -76,10 +76,9 @@ def accelerate(accum: int, count_hook=None) -> dict:
     model, opt = acc.prepare(model, opt)
     if count_hook:
         count_hook(model)
-    loss_sum, count = 0.0, 0
 
-    def epoch(epoch: int, limit: int) -> None:
-        nonlocal loss_sum, count
+    def epoch(epoch: int, limit: int) -> tuple[float, int]:
+        loss_sum, count = 0.0, 0
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(data):
             if i == limit:
@@ -89,10 +88,7 @@ def accelerate(accum: int, count_hook=None) -> dict:
                 acc.backward(loss)
                 opt.step()
                 opt.zero_grad()
-            if epoch == 1:
-                loss_sum, count = loss_sum + loss.item(), count + 1
+            loss_sum, count = loss_sum + loss.item(), count + 1
+        return loss_sum, count
 
-    epoch(0, w.WARMUP_MICRO)
-    w.start_clock()
-    epoch(1, len(data))
-    return w.result(w.stop_clock(), loss_sum, count)
+    return w.timed_epoch(epoch, len(data))

@@ -20,10 +20,9 @@ def run(accum: int, ddp: bool = True, count_hook=None) -> dict:
             count_hook(model)
     opt = w.optimizer(model.parameters())
     data, sampler = w.loader(w.dataset())
-    loss_sum, count = 0.0, 0
 
-    def epoch(epoch: int, limit: int) -> None:
-        nonlocal loss_sum, count
+    def epoch(epoch: int, limit: int) -> tuple[float, int]:
+        loss_sum, count = 0.0, 0
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(data):
             if i == limit:
@@ -35,10 +34,7 @@ def run(accum: int, ddp: bool = True, count_hook=None) -> dict:
             if (i + 1) % accum == 0 or i + 1 == len(data):
                 opt.step()
                 opt.zero_grad()
-            if epoch == 1:
-                loss_sum, count = loss_sum + loss.item(), count + 1
+            loss_sum, count = loss_sum + loss.item(), count + 1
+        return loss_sum, count
 
-    epoch(0, w.WARMUP_MICRO)
-    w.start_clock()
-    epoch(1, len(data))
-    return w.result(w.stop_clock(), loss_sum, count)
+    return w.timed_epoch(epoch, len(data))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,15 @@ def result(samples_per_s: float, loss_sum: float, loss_count: int, **extra) -> d
     return {"samples_per_s": samples_per_s, "epoch_loss": (t[0] / t[1]).item(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             "pid": os.getpid(), **extra}
+
+
+def timed_epoch(epoch: Callable[[int, int], tuple[float, int]], micro_batches: int) -> dict:
+    """The protocol for loops written out in full: epoch(e, limit) runs the first `limit`
+    micro-batches of epoch e and returns their (loss sum, count); the warm-up is untimed."""
+    epoch(0, WARMUP_MICRO)
+    start_clock()
+    loss_sum, count = epoch(1, micro_batches)
+    return result(stop_clock(), loss_sum, count)
 
 
 _clock: dict[str, float] = {}

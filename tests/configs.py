@@ -27,9 +27,14 @@ SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval"
         "overflow_flag_allreduces")
 
 
-def plain_cfg(overrides: list[str]) -> dict:
+def composed(overrides: list[str]) -> dict:
+    """The plain config, not yet validated."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = to_plain(compose("config", overrides=overrides))
+        return to_plain(compose("config", overrides=overrides))
+
+
+def plain_cfg(overrides: list[str]) -> dict:
+    cfg = composed(overrides)
     validate(cfg, cuda_available=False)
     return cfg
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from configs import plain_cfg
+from configs import composed, plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config import ConfigError, to_plain, validate
-from gradsync.train import CONF_DIR
+from gradsync.config import ConfigError, validate
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -67,10 +65,6 @@ def test_skipped_fp16_steps_do_not_poison_the_error_feedback(pool2, tmp_path):
 
 
 def test_powersgd_options_are_checked_before_any_worker_starts():
-    def composed(overrides):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return to_plain(compose("config", overrides=overrides))
-
     with pytest.raises(ConfigError, match="sync.compression='topk' is not allowed"):
         validate(composed(["sync.compression=topk"]), cuda_available=False)
     with pytest.raises(ConfigError, match="sync.powersgd_start_step=1 is not allowed"):

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import shm_cases
-from configs import losses, plain_cfg
+from configs import composed, losses, plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config import ConfigError, to_plain, validate
-from gradsync.train import CONF_DIR
+from gradsync.config import ConfigError, validate
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -68,10 +66,6 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
 
 
 def test_allreduce_mode_is_checked_before_any_worker_starts():
-    def composed(overrides):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return to_plain(compose("config", overrides=overrides))
-
     with pytest.raises(ConfigError, match="trainer.allreduce='tcp' is not allowed"):
         validate(composed(["trainer.allreduce=tcp"]), cuda_available=False)
     with pytest.raises(ConfigError, match="shared_memory is for CPU ranks"):
