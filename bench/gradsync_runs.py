@@ -19,12 +19,9 @@ from gradsync.worker import build_parts
 
 def config(accum: int, sync: str, overrides: list[str]) -> dict:
     """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
-    from hydra import compose, initialize_config_dir
+    from gradsync.config import validate
+    from gradsync.train import compose_plain
 
-    from gradsync.config import register_configs, to_plain, validate
-    from gradsync.train import CONF_DIR
-
-    register_configs()
     workload = [
         f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",
         f"data.eval_samples={w.DATA_CFG['eval_samples']}", f"data.in_dim={w.IN_DIM}",
@@ -35,8 +32,7 @@ def config(accum: int, sync: str, overrides: list[str]) -> dict:
         f"schedule.accum_steps={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
         "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
     ]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = to_plain(compose("config", overrides=workload + overrides))
+    cfg = compose_plain(workload + overrides)
     validate(cfg, cuda_available=False)
     return cfg
 

@@ -3,12 +3,8 @@ that are compared with runs through the command line."""
 
 from __future__ import annotations
 
-from hydra import compose, initialize_config_dir
-
-from gradsync.config import register_configs, to_plain, validate
-from gradsync.train import CONF_DIR
-
-register_configs()
+from gradsync.config import validate
+from gradsync.train import compose_plain  # registers the schemas
 
 # 200 samples, 2 ranks, micro 8: 13 micro-batches per rank and epoch (the last one 4 samples),
 # accum 3 -> windows 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window;
@@ -27,14 +23,8 @@ SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval"
         "overflow_flag_allreduces")
 
 
-def composed(overrides: list[str]) -> dict:
-    """The plain config, not yet validated."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_plain(compose("config", overrides=overrides))
-
-
 def plain_cfg(overrides: list[str]) -> dict:
-    cfg = composed(overrides)
+    cfg = compose_plain(overrides)
     validate(cfg, cuda_available=False)
     return cfg
 

@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch.utils.data import default_collate
 
-from gradsync.config import ConfigError, register_configs, to_plain, validate
+from gradsync.config import ConfigError, register_configs, validate
 from gradsync.data import build_data
 from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.models import build_model
 from gradsync.policies import build_policy
 from gradsync.precision import Precision
 from gradsync.schedules import build_schedule
-from gradsync.train import CONF_DIR
+from gradsync.train import CONF_DIR, compose_plain
 
 register_configs()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
@@ -31,11 +30,6 @@ COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
-
-
-def compose_plain(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_plain(compose("config", overrides=overrides))
 
 
 ALL = [(g, o) for g in GROUPS for o in options(g)]

@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from configs import composed, plain_cfg
+from configs import plain_cfg
 from dist_cases import train_run_rows
 from gradsync.config import ConfigError, validate
+from gradsync.train import compose_plain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -66,13 +67,13 @@ def test_skipped_fp16_steps_do_not_poison_the_error_feedback(pool2, tmp_path):
 
 def test_powersgd_options_are_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="sync.compression='topk' is not allowed"):
-        validate(composed(["sync.compression=topk"]), cuda_available=False)
+        validate(compose_plain(["sync.compression=topk"]), cuda_available=False)
     with pytest.raises(ConfigError, match="sync.powersgd_start_step=1 is not allowed"):
-        validate(composed([*PSGD, "sync.powersgd_start_step=1"]), cuda_available=False)
+        validate(compose_plain([*PSGD, "sync.powersgd_start_step=1"]), cuda_available=False)
     with pytest.raises(ConfigError, match="set sync.comm_dtype=fp32"):
-        validate(composed(["sync=amp_aware", "sync.compression=powersgd"]),
+        validate(compose_plain(["sync=amp_aware", "sync.compression=powersgd"]),
                  cuda_available=False)
     with pytest.raises(ConfigError, match="powersgd all-reduces through the process group"):
-        validate(composed([*PSGD, "trainer.allreduce=shared_memory"]), cuda_available=False)
+        validate(compose_plain([*PSGD, "trainer.allreduce=shared_memory"]), cuda_available=False)
     with pytest.raises(Exception, match="Could not override 'sync.compression'"):
-        composed(["sync=always", "sync.compression=powersgd"])  # always has none to choose
+        compose_plain(["sync=always", "sync.compression=powersgd"])  # always has none to choose

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import shm_cases
-from configs import composed, losses, plain_cfg
+from configs import losses, plain_cfg
 from dist_cases import train_run_rows
 from gradsync.config import ConfigError, validate
+from gradsync.train import compose_plain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -67,11 +68,11 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
 
 def test_allreduce_mode_is_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="trainer.allreduce='tcp' is not allowed"):
-        validate(composed(["trainer.allreduce=tcp"]), cuda_available=False)
+        validate(compose_plain(["trainer.allreduce=tcp"]), cuda_available=False)
     with pytest.raises(ConfigError, match="shared_memory is for CPU ranks"):
-        validate(composed(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
+        validate(compose_plain(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
                  cuda_available=True)
-    validate(composed(["trainer.allreduce=shared_memory"]), cuda_available=False)
+    validate(compose_plain(["trainer.allreduce=shared_memory"]), cuda_available=False)
 
 
 def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():

@@ -369,6 +369,7 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
                  "a list of integers >= 1", cfg["model"]["hidden_sizes"])
 
     check_precision(cfg, cuda_available)
+    check_compression(cfg)
     lrs = cfg["lr_scheduler"]
     if lrs["name"] == "cosine":
         _require(lrs["warmup_steps"] >= 0, "lr_scheduler.warmup_steps", "an integer >= 0",
@@ -396,20 +397,6 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
              pcfg["growth_factor"])
     _require(0 < pcfg["backoff_factor"] < 1, "precision.backoff_factor", "a number in (0, 1)",
              pcfg["backoff_factor"])
-    if sync.get("compression", "none") != "none":
-        _require(sync["compression"] == "powersgd", "sync.compression", "none or powersgd",
-                 sync["compression"])
-        _require(sync["powersgd_rank"] >= 1, "sync.powersgd_rank", "an integer >= 1",
-                 sync["powersgd_rank"])
-        _require(sync["powersgd_start_step"] >= 2, "sync.powersgd_start_step",
-                 "an integer >= 2 (torch's PowerSGD with error feedback)",
-                 sync["powersgd_start_step"])
-        if sync["name"] == "amp_aware" and sync["comm_dtype"] != "fp32":
-            raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
-                              f"sync.comm_dtype=fp32 (not {sync['comm_dtype']!r})")
-        if cfg["trainer"]["allreduce"] == "shared_memory":
-            raise ConfigError("sync.compression=powersgd all-reduces through the process "
-                              "group: use trainer.allreduce=auto or process_group")
     if sync["name"] == "amp_aware":
         _require(sync["comm_dtype"] in DTYPES, "sync.comm_dtype", "one of bf16, fp16, fp32",
                  sync["comm_dtype"])
@@ -417,6 +404,26 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
             raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not {prec!r}: only "
                               "its GradScaler catches an overflow of the fp16 all-reduce; "
                               "use bf16 or fp32")
+
+
+def check_compression(cfg: dict[str, Any]) -> None:
+    """sync.compression=powersgd and what it cannot go with."""
+    sync = cfg["sync"]
+    if sync.get("compression", "none") == "none":
+        return
+    _require(sync["compression"] == "powersgd", "sync.compression", "none or powersgd",
+             sync["compression"])
+    _require(sync["powersgd_rank"] >= 1, "sync.powersgd_rank", "an integer >= 1",
+             sync["powersgd_rank"])
+    _require(sync["powersgd_start_step"] >= 2, "sync.powersgd_start_step",
+             "an integer >= 2 (torch's PowerSGD with error feedback)",
+             sync["powersgd_start_step"])
+    if sync["name"] == "amp_aware" and sync["comm_dtype"] != "fp32":
+        raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
+                          f"sync.comm_dtype=fp32 (not {sync['comm_dtype']!r})")
+    if cfg["trainer"]["allreduce"] == "shared_memory":
+        raise ConfigError("sync.compression=powersgd all-reduces through the process "
+                          "group: use trainer.allreduce=auto or process_group")
 
 
 TOKEN_DATA = ("synthetic_lm",)

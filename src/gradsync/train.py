@@ -55,6 +55,15 @@ OmegaConf.register_new_resolver(
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
 
 
+def compose_plain(overrides: list[str]) -> dict:
+    """The config the command line composes from these overrides, as plain data (not yet
+    validated): for tests and benchmarks that run the pieces without a Hydra job."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_plain(compose("config", overrides=overrides))
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> dict:
     adopt_submitit_ranks()
