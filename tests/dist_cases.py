@@ -14,7 +14,7 @@ from gradsync.comm import install_counting_hook
 from gradsync.data import loss_sum, loss_units, pad_batch
 from gradsync.loop import run_window
 from gradsync.models import MLP, Transformer
-from gradsync.normalize import build_normalizer
+from gradsync.normalize import BySamples, build_normalizer
 from gradsync.policies import build_policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
@@ -53,10 +53,12 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
             yield b
 
     it = batches()
-    window = Window(0, len(micro_sizes), sum(micro_sizes))
+    window = Window(0, len(micro_sizes), sum(micro_sizes), sum(micro_sizes),
+                    sum(micro_sizes) * world)
 
     run_window(ddp, it, window, build_policy({"name": policy_name}), Precision("fp32", "cpu"),
-               lambda out, y: loss_sum("regression", out, y), torch.device("cpu"))
+               lambda out, y: loss_sum("regression", out, y), torch.device("cpu"),
+               BySamples(world))
     snaps.append(flat_grad())
     return {"grads": snaps, "sync_backwards": counts.sync_backwards,
             "allreduce_calls": counts.allreduce_calls, "allreduce_bytes": counts.allreduce_bytes}
@@ -150,7 +152,7 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
                             torch.device("cpu"), tokens_per_sample)
     prec = Precision(precision, "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples),
+    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples, samples, samples * world),
                       build_policy({"name": "accumulate"}), prec,
                       lambda out, y: loss_sum("lm", out, y, per_sequence=normalize == "samples"),
                       torch.device("cpu"), norm)
@@ -158,3 +160,26 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
     norm.before_step(ddp.parameters())
     grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])
     return {"grad": grad, "loss": float(loss), "scale": prec.scale}
+
+
+# --- data that does not divide evenly (tests/test_uneven.py) ------------------------------------
+def train_recording_steps(cfg: dict) -> dict:
+    """The worker's real parts and loop (no outputs written); at every optimizer step, records
+    the parameters the window's forwards used and the gradient the step applies."""
+    from gradsync.loop import Progress, train
+    from gradsync.metrics import RunLog
+    from gradsync.worker import build_parts
+
+    p = build_parts(cfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def record(optimizer, args, kwargs):
+        params = list(p.ddp.module.parameters())
+        steps.append(([q.detach().clone() for q in params],
+                      [q.grad.detach().clone() for q in params]))
+
+    p.optimizer.register_step_pre_hook(record)
+    state = train(p, Progress(), RunLog(Path("."), active=False))
+    return {"steps": steps, "samples_seen": state.samples_seen, "last_loss": state.last_loss,
+            "eval": state.last_eval, "micro_steps": state.micro_steps,
+            "params": [q.detach().clone() for q in p.ddp.module.parameters()]}

@@ -1,11 +1,14 @@
 """The training loop: micro-batches grouped into windows, one optimizer step per window.
 
 For every micro-batch the sync policy decides whether its forward+backward runs inside
-``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
-holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
-applies the gradient of the mean loss over every sample of the window on every rank, a short
-last window included. Token-normalised losses, whose count is only known at the window's end,
-are rescaled once before the step (normalize.py).
+``no_sync()``. Each micro-batch's summed loss is divided by the number of real samples its
+window holds over all ranks, over the world size, and DDP averages over ranks, so each step
+applies the gradient of the mean loss over every real sample of the window on every rank, a
+short last window included. The samples the sampler repeats to give every rank the same number
+of micro-batches (data not a multiple of the world size) still run forward and backward (DDP's
+collectives must match) but are left out of the loss (schedules.Shard says which they are).
+Token-normalised losses, whose count is only known at the window's end, are rescaled once
+before the step (normalize.py).
 
 Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
 x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
@@ -32,10 +35,10 @@ from gradsync.comm import CommCounts
 from gradsync.data import epoch_batches
 from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
-from gradsync.normalize import SAMPLES, Normalizer
+from gradsync.normalize import Normalizer
 from gradsync.policies import SyncPolicy, sync_context
 from gradsync.precision import Precision
-from gradsync.schedules import Window, plan_epoch
+from gradsync.schedules import Shard, Window, plan_epoch
 
 
 @dataclass
@@ -62,7 +65,7 @@ class Parts:
     log_every: int
     eval_every: int  # 0: only at the end
     clip_grad_norm: float  # 0: off
-    normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
+    normalizer: Normalizer  # what each micro-batch's summed loss is divided by
     allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
     # --- checkpoints and faults (the worker fills these; the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
@@ -77,7 +80,7 @@ class Progress:
     step: int = 0  # optimizer steps applied (an AMP-skipped step is not one)
     windows: int = 0  # windows run = optimizer-step attempts, skipped ones included
     epoch: int = 0
-    samples_seen: int = 0  # over all ranks
+    samples_seen: int = 0  # over all ranks, the sampler's repeats not counted
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
@@ -94,23 +97,30 @@ class Progress:
 
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss_fn: Callable,
-               device: torch.device, norm: Normalizer = SAMPLES) -> torch.Tensor:
+               device: torch.device, norm: Normalizer) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
     in full). After each backward the policy may find the window doomed (an overflow on some
     rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
-    without compute, so the data order never depends on overflows."""
+    without compute, so the data order never depends on overflows. Only the window's first
+    ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
+    and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
+    loss."""
     total = torch.zeros((), device=device)
     doomed = False
+    real_left = window.real
     for i in range(window.size):
         x, y = next(batches)
+        keep = min(real_left, len(y))
+        real_left -= keep
         if doomed:
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
         divisor = norm.divisor(window, i, y)
         with sync_context(ddp, policy.should_sync(i, window.size)):
             with precision.autocast():
-                loss = loss_fn(ddp(x), y) / divisor
+                out = ddp(x)
+                loss = loss_fn(out if keep == len(out) else out[:keep], y) / divisor
             precision.backward(loss)
         total += loss.detach()
         doomed = policy.window_doomed(ddp, i, window.size)
@@ -214,7 +224,9 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     stop = 0
     while not state.done(p) and not stop:
         epoch, first = state.epoch, state.epoch_step
-        plan = plan_epoch(len(p.sampler), p.micro_batch_size, p.schedule.accum_steps(epoch))
+        shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
+                      p.sampler.num_replicas)
+        plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(epoch))
         batches = epoch_batches(p.loader, epoch, plan[first].start * p.micro_batch_size)
         for k in range(first, len(plan)):
             window = plan[k]
@@ -228,7 +240,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             state.windows += 1
             state.step += stepped
             state.micro_steps += window.size
-            state.samples_seen += window.local_samples * p.world_size
+            state.samples_seen += window.global_real
             end_of_epoch = k == len(plan) - 1
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1

@@ -2,14 +2,17 @@
 and, when that divisor could not be known in advance, the one gradient rescale before the
 optimizer step (``loss.normalize``).
 
-- ``samples``: the window's sample count on this rank, known in advance from the window plan and
-  equal on every rank; DDP's average over ranks completes the mean. No extra work at all.
+- ``samples``: the window's real sample count over all ranks, divided by the world size (DDP's
+  average over ranks completes the mean), known in advance from the window plan
+  (schedules.plan_epoch): the samples the DistributedSampler repeats to even out the ranks are
+  neither in the loss (the loop drops them) nor in the count. No communication at all.
 - ``tokens``: the global count of loss (non-padding) tokens in the window, over every
-  micro-batch and rank. Deferred: backward runs on the summed token loss over a constant (so
-  magnitudes stay near a per-token mean), each rank counts its tokens, one scalar all-reduce of
-  the count is launched before the window's last forward (it overlaps with the syncing
-  backward), and the gradients are rescaled once by world_size x constant / global_count after
-  the scaler's unscale and before clipping. No prefetch of the window.
+  micro-batch and rank (the sampler's repeats hold none). Deferred: backward runs on the summed
+  token loss over a constant (so magnitudes stay near a per-token mean), each rank counts its
+  tokens, one scalar all-reduce of the count is launched before the window's last forward (it
+  overlaps with the syncing backward), and the gradients are rescaled once by world_size x
+  constant / global_count after the scaler's unscale and before clipping. No prefetch of the
+  window.
 - ``micro_batch_mean``: every micro-batch's own mean, divided by the number of micro-batches,
   then averaged over ranks: the accumulation bug Transformers fixed in autumn 2024. Wrong on
   variable-length data; it exists only to measure that error.
@@ -48,17 +51,19 @@ class Normalizer(Protocol):
 class BySamples:
     name = "samples"
 
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
     def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
-        return window.local_samples
+        # ranks hold different numbers of real samples in an epoch's last window: DDP's mean
+        # over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples
+        return window.global_real / self.world_size
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
 
     def before_step(self, params: Iterable[torch.nn.Parameter]) -> None:
         pass
-
-
-SAMPLES = BySamples()
 
 
 class ByTokens:
@@ -112,7 +117,7 @@ class ByMicroBatchMean:
         self.count = count
 
     def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
-        return self.count(y) * window.size
+        return max(self.count(y), 1) * window.size  # no real sample: a loss of 0, not 0 / 0
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
@@ -133,7 +138,7 @@ def build_normalizer(name: str, task: str, count: Callable, world_size: int,
     """``count(y)``: the loss units (tokens, or samples) in a micro-batch's targets."""
     name = resolve(name, task)
     if name == "samples":
-        return SAMPLES
+        return BySamples(world_size)
     if name == "tokens":
         return ByTokens(count, world_size, device, tokens_per_sample)
     if name == "micro_batch_mean":
