@@ -5,9 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
+STARTUP_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep bench clean distclean
+.PHONY: help install train test lint sweep race bench clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -41,6 +42,10 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.lock
 
 bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Accelerate); BENCH_ARGS=--rounds 1
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	$(BIN)/python bench/startup.py $(STARTUP_ARGS)
+
+race: install ## which policy wins: 6 sync policies on the stdlib corpus (experiment=policy_race)
+	$(BIN)/gradsync-train -m experiment=policy_race $(ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache

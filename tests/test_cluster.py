@@ -108,7 +108,8 @@ def test_torchrun_job_has_one_run_dir_written_by_rank0(tmp_path, cli_env, basic_
     assert files_under(run_dir) == [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
         "checkpoints/last.pt", "checkpoints/step_00000004.json", "checkpoints/step_00000004.pt",
-        "logs/rank0.log", "logs/rank1.log", "metrics.jsonl", "run_info.json", "summary.json",
+        "evals.jsonl", "logs/rank0.log", "logs/rank1.log", "metrics.jsonl", "run_info.json",
+        "summary.json",
         "tb/<events>", "tb/<events>", "train.log"]  # training + HParams
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     # torchrun's ranks train exactly what gradsync's own spawned workers train
@@ -143,7 +144,8 @@ def test_two_torchrun_nodes_train_like_one_node(tmp_path, cli_env, basic_sweep):
     assert files_under(rank0_dir) == [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
         "checkpoints/last.pt", "checkpoints/step_00000004.json", "checkpoints/step_00000004.pt",
-        "logs/rank0.log", "metrics.jsonl", "run_info.json", "summary.json", "tb/<events>",
+        "evals.jsonl", "logs/rank0.log", "metrics.jsonl", "run_info.json", "summary.json",
+        "tb/<events>",
         "tb/<events>", "train.log"]  # training + HParams
     assert sum(d.stdout.count("gradsync: outputs in") for d in done) == 1
     assert_same_training(rank0_dir, basic_sweep / "0")

@@ -151,21 +151,27 @@ def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
     sweep_dir, _ = accum_sweep
     data = (sweep_dir / "sweep.png").read_bytes()
     assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
-    assert struct.unpack(">II", data[16:24]) == (1300, 480)
+    assert struct.unpack(">II", data[16:24]) == (1600, 480)
     assert len(data) > 20_000
 
     jobs = sweep.read_jobs(sweep_dir)
     fig = sweep.plot(jobs, tmp_path / "again.png")
-    loss_ax, speed_ax = fig.axes
-    assert len(loss_ax.lines) == 3  # one loss curve per job, on one axis
-    for line, j in zip(loss_ax.lines, range(3), strict=True):
-        rows = [json.loads(x) for x in (sweep_dir / str(j) / "metrics.jsonl").read_text()
-                .splitlines()]
-        assert list(line.get_xdata()) == [r["samples"] for r in rows]
-        assert list(line.get_ydata()) == [r["loss"] for r in rows]
-    assert list(speed_ax.lines[0].get_ydata()) == \
-        [s["samples_per_s"] for s in summaries(sweep_dir, 3)]
-    assert [t.get_text() for t in speed_ax.get_xticklabels()] == ["1", "2", "4"]
+    by_samples, by_bytes, by_seconds = fig.axes
+    for ax, key in ((by_samples, "samples"), (by_bytes, "allreduce_bytes"),
+                    (by_seconds, "train_s")):
+        assert len(ax.lines) == 6  # per job: its train loss curve, its eval point(s)
+        for j in range(3):
+            train, evals = ax.lines[2 * j], ax.lines[2 * j + 1]
+            rows = [json.loads(x) for x in (sweep_dir / str(j) / "metrics.jsonl").read_text()
+                    .splitlines()]
+            assert list(train.get_xdata()) == [r[key] for r in rows]
+            assert list(train.get_ydata()) == [r["loss"] for r in rows]
+            final = json.loads((sweep_dir / str(j) / "evals.jsonl").read_text())
+            assert list(evals.get_xdata()) == [final[key]] == [rows[-1][key]]
+            assert list(evals.get_ydata()) == [summaries(sweep_dir, 3)[j]["eval"]["loss"]]
+    assert by_bytes.get_xscale() == "log"
+    assert [t.get_text() for t in by_samples.get_legend().get_texts()] == \
+        [f"schedule.accum_steps={n}" for n in ACCUM]
 
 
 @pytest.mark.slow

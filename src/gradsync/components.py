@@ -45,6 +45,18 @@ def checks(check: Callable[..., None]) -> Callable[[Any], Any]:
     return attach
 
 
+def describes(describe: Callable[..., dict[str, Any]]) -> Callable[[Any], Any]:
+    """Decorator: attach ``describe(**kwargs) -> dict``, called with the component's configured
+    keyword arguments (defaults filled in) by the launcher, before any worker starts: what
+    run_info.json records of it (a corpus's digest and size, say). It must be cheap."""
+
+    def attach(target: Any) -> Any:
+        target.describe = describe
+        return target
+
+    return attach
+
+
 @dataclass
 class CheckContext:
     """What a component's check may look at besides its own arguments."""
@@ -189,11 +201,31 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
                               f"takes {_type_name(hint)}")
     own = getattr(target, "check_config", None)
     if own is not None:
-        full = {n: p.default for n, p in params.items()
-                if p.default is not p.empty and n not in runtime}
-        full.update(args)
-        own(full, ctx or CheckContext(group))
+        own(_with_defaults(params, args, runtime), ctx or CheckContext(group))
     return target
+
+
+def _with_defaults(params: dict[str, inspect.Parameter], args: dict[str, Any],
+                   runtime: Iterable[str]) -> dict[str, Any]:
+    """The keyword arguments a component gets from its config: its defaults, then the node's."""
+    runtime = set(runtime)
+    full = {n: p.default for n, p in params.items()
+            if p.default is not p.empty and n not in runtime}
+    return full | args
+
+
+def describe(node: dict[str, Any], runtime: Iterable[str] = (),
+             extra: Iterable[str] = ()) -> dict[str, Any] | None:
+    """What the node's target says of itself through ``@describes`` (None: nothing), called
+    with its configured arguments; runtime arguments are left out (the target's describe
+    must not need them)."""
+    target = locate(node["_target_"])
+    own = getattr(target, "describe", None)
+    if own is None:
+        return None
+    args = {k: v for k, v in node.items() if k not in RESERVED and k not in set(extra)}
+    full = _with_defaults(parameters(target), args, runtime)
+    return own(**{k: v for k, v in full.items() if k in parameters(own)})
 
 
 def build(node: dict[str, Any], runtime: dict[str, Any] | None = None,

@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -119,10 +120,20 @@ def digits(test_fraction: float = 0.2, split_seed: int = 0) -> DataBundle:
 
 
 def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 1797 8x8 digit images (pixels 0..16, flattened to 64) and labels."""
-    from sklearn.datasets import load_digits  # heavy import, only where used
+    """scikit-learn's 1797 8x8 digit images (pixels 0..16, flattened to 64) and labels, read
+    from the file it bundles as its load_digits does, without importing scikit-learn (a second
+    or more at every worker's start)."""
+    import gzip
+    import importlib.util
 
-    return load_digits(return_X_y=True)
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("data=digits needs scikit-learn, which ships the images")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / \
+        "digits.csv.gz"
+    with gzip.open(path) as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
 
 
 class TokenSequences(Dataset):

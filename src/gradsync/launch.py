@@ -11,6 +11,7 @@ optimizer step, checkpoint and exit together (see faults.py); a second one kills
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 
 from gradsync.faults import STOP_SIGNALS, first_failure, signal_name
 from gradsync.settings import RunConfig
-from gradsync.worker import worker_main
+from gradsync.worker import pick_backend, worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
 
@@ -115,6 +116,30 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
+def start_method(cfg: RunConfig) -> str:
+    """fork for CPU workers while this process holds no CUDA context: a forked worker starts
+    with what the launcher already imported (torch; the compiler stack an optimizer's
+    constructor imports; gradsync), where a spawned one spends seconds importing it again; a
+    sweep pays that at every job. spawn for CUDA (a forked child cannot use a CUDA context, and
+    an nccl job's launcher may have touched one), or when GRADSYNC_START_METHOD=spawn."""
+    import torch
+
+    if os.environ.get("GRADSYNC_START_METHOD") == "spawn":
+        return "spawn"
+    if pick_backend(cfg.trainer.backend) == "gloo" and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _forked_worker(rank: int, *args: Any) -> None:
+    """A forked worker first drops the launcher's Hydra log handlers (the console, the job's
+    train.log), which a spawned one never has: a rank logs to its own logs/rank<r>.log."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    worker_main(rank, *args)
+
+
 def launch(cfg: RunConfig, run_dir: Path) -> None:
     if under_torchrun():
         rank = int(os.environ["RANK"])
@@ -138,8 +163,10 @@ def launch(cfg: RunConfig, run_dir: Path) -> None:
         if watching:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            ctx = mp.start_processes(worker_main, args=(world, cfg, str(run_dir), store.port),
-                                     nprocs=world, start_method="spawn", join=False)
+            method = start_method(cfg)
+            ctx = mp.start_processes(worker_main if method == "spawn" else _forked_worker,
+                                     args=(world, cfg, str(run_dir), store.port),
+                                     nprocs=world, start_method=method, join=False)
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)

@@ -175,13 +175,15 @@ class StepLog:
     """Per-step rows kept until the next log point, then their losses are averaged over ranks
     in one all-reduce (not one per step) and written."""
 
-    def __init__(self, p: Parts, log: RunLog):
-        self.p, self.log = p, log
+    def __init__(self, p: Parts, log: RunLog, state: Progress):
+        self.p, self.log, self.state = p, log, state
         self.rows: list[dict[str, Any]] = []
         self.losses: list[torch.Tensor] = []
-        self.mark_t, self.mark_samples = 0.0, 0
+        self.mark_t, self.mark_samples = state.train_s, state.samples_seen
 
     def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
+        # where the run stands on the sweep summary's other axes (rank 0's bytes, loop time)
+        row |= _spent(self.p, self.state)
         self.rows.append(row)
         self.losses.append(local_loss)
 
@@ -233,9 +235,17 @@ def require_finite_parameters(ddp: DistributedDataParallel, step: int) -> None:
                                  "stopped, the last good checkpoint stays in checkpoints/")
 
 
+def _spent(p: Parts, state: Progress) -> dict[str, Any]:
+    """Cumulative all-reduce bytes (this rank's) and loop seconds: the x-axes, besides samples,
+    on which the sweep summary compares runs."""
+    return {"allreduce_bytes": p.counts.allreduce_bytes, "train_s": state.train_s}
+
+
 def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
     state.last_eval = p.evaluate()
     log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
+    log.evals({"window": state.windows, "step": state.step, "samples": state.samples_seen,
+               **_spent(p, state), **state.last_eval})
 
 
 def check_replicas(ddp: DistributedDataParallel, step: int) -> None:
@@ -261,8 +271,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     next window, skipping the samples already used) until done or until the ranks agree to
     stop (p.stop.agreed)."""
     s = p.s
-    steps = StepLog(p, log)
-    steps.mark_t, steps.mark_samples = state.train_s, state.samples_seen
+    steps = StepLog(p, log, state)
     stop = 0
     while not state.done(s) and not stop:
         epoch, first = state.epoch, state.epoch_step

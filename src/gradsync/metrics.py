@@ -1,6 +1,6 @@
 """What a run records, written by rank 0 only: TensorBoard scalars under tb/, one JSON line per
-optimizer step in metrics.jsonl, and summary.json at the end. Other ranks get a RunLog that
-writes nothing, so the loop never asks which rank it is."""
+optimizer step in metrics.jsonl, one per evaluation in evals.jsonl, and summary.json at the
+end. Other ranks get a RunLog that writes nothing, so the loop never asks which rank it is."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class RunLog:
         self.run_dir = run_dir
         self.tb: Any = None
         self.jsonl: Any = None
+        self.eval_jsonl: Any = None
         self.bar: Any = None
         if not active:
             return
@@ -57,8 +58,10 @@ class RunLog:
 
         # A run continued from window w drops what an earlier attempt logged after w.
         keep_rows_through(run_dir / "metrics.jsonl", start_window)
+        keep_rows_through(run_dir / "evals.jsonl", start_window)
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_window + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.eval_jsonl = open(run_dir / "evals.jsonl", "a", buffering=1)
         if progress_bar:
             from tqdm import tqdm
 
@@ -73,6 +76,12 @@ class RunLog:
             self.jsonl.write(json.dumps(row) + "\n")
         if self.bar is not None and rows:
             self.bar.update(len(rows))
+
+    def evals(self, row: dict[str, Any]) -> None:
+        """One row per evaluation: where the run stood (window, samples, bytes, seconds) and
+        the held-out metrics."""
+        if self.active:
+            self.eval_jsonl.write(json.dumps(row) + "\n")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.active:
@@ -97,6 +106,7 @@ class RunLog:
         self.tb.flush()
         self.tb.close()
         self.jsonl.close()
+        self.eval_jsonl.close()
 
 
 def final_metrics(summary: dict[str, Any]) -> dict[str, float]:

@@ -1,10 +1,17 @@
 """The summary of a multirun sweep, read back from its job dirs: sweep_summary.csv,
 sweep_summary.md and sweep.png in the sweep dir.
 
-Everything comes from files (each job's .hydra/, summary.json and metrics.jsonl), never from
-in-process job results: Hydra hands its multirun-end callback none, and jobs may have run in
-other processes (joblib launcher). `python -m gradsync.sweep <sweep dir>` writes the summary of
-an interrupted sweep by hand.
+Everything comes from files (each job's .hydra/, summary.json, metrics.jsonl and evals.jsonl),
+never from in-process job results: Hydra hands its multirun-end callback none, and jobs may have
+run in other processes (joblib launcher). `python -m gradsync.sweep <sweep dir> [target loss]`
+writes the summary of an interrupted sweep by hand.
+
+Which job is best is a question of cost: each job's eval (and train) loss is read against three
+axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
+left out), and the columns samples_to_target, bytes_to_target and seconds_to_target say where
+its eval loss first reached the target loss (linear interpolation between the two evaluations
+around the crossing; empty when it never did). The target defaults to the worst final eval loss
+among the completed jobs, so each of them reaches it.
 """
 
 from __future__ import annotations
@@ -14,13 +21,37 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gradsync.metrics import final_metrics
+
+# The axes a loss is read against: a Point's attribute, the label on the plot.
+AXES = {"samples": "samples seen", "bytes": "all-reduce bytes (rank 0, log)",
+        "seconds": "training seconds"}
+
+
+@dataclass(frozen=True)
+class Point:
+    """Where a job stood when a loss was measured (NaN: the row did not record that axis)."""
+
+    samples: float
+    bytes: float
+    seconds: float
+    loss: float
+
+
+def _points(rows: list[dict[str, Any]], loss_key: str) -> list[Point]:
+    nan = math.nan
+    return [Point(r["samples"], r.get("allreduce_bytes", nan), r.get("train_s", nan),
+                  r[loss_key]) for r in rows if loss_key in r]
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @dataclass
@@ -29,7 +60,8 @@ class Job:
     dir: Path
     overrides: dict[str, str]  # key -> value, as given on the command line / by the sweeper
     summary: dict[str, Any]  # summary.json; {"status": "failed", "error": ...} when it failed
-    losses: list[tuple[int, float]]  # (samples seen, train loss) per optimizer step
+    losses: list[Point]  # train loss (mean over ranks) per optimizer step
+    evals: list[Point] = field(default_factory=list)  # eval loss per evaluation
 
     @property
     def completed(self) -> bool:
@@ -42,11 +74,9 @@ def _read_job(job_dir: Path) -> Job:
     summary_path = job_dir / "summary.json"
     summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
                {"status": "failed", "error": "no summary.json: the job did not finish"})
-    metrics = job_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] \
-        if metrics.exists() else []
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
-               [(r["samples"], r["loss"]) for r in rows if "loss" in r])
+               _points(_rows(job_dir / "metrics.jsonl"), "loss"),
+               _points(_rows(job_dir / "evals.jsonl"), "loss"))
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
@@ -67,8 +97,39 @@ def _global_batch(s: dict[str, Any]) -> int | str:
     return s["world_size"] * s["micro_batch_size"] * n if isinstance(n, int) else ""
 
 
-def table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
-    """One row per job: its overrides, swept values, status and final numbers (raw values)."""
+def default_target(jobs: list[Job]) -> float | None:
+    """The worst final eval loss among the completed jobs: every one of them reaches it."""
+    finals = [j.summary["eval"]["loss"] for j in jobs
+              if j.completed and math.isfinite(j.summary.get("eval", {}).get("loss", math.nan))]
+    return max(finals) if finals else None
+
+
+def to_target(points: list[Point], target: float) -> dict[str, float] | None:
+    """Samples, bytes and seconds at which the loss first reached target (<=): linearly
+    interpolated between the last point above it and the first at or below it (the first point
+    itself when that already is). None: never reached."""
+    before = None
+    for point in points:
+        if not math.isfinite(point.loss):
+            continue
+        if point.loss <= target:
+            if before is None:
+                return {axis: getattr(point, axis) for axis in AXES}
+            f = (before.loss - target) / (before.loss - point.loss)
+            return {axis: getattr(before, axis) + f * (getattr(point, axis)
+                                                       - getattr(before, axis))
+                    for axis in AXES}
+        before = point
+    return None
+
+
+TARGET_COLUMNS = tuple(f"{axis}_to_target" for axis in AXES)
+
+
+def table(jobs: list[Job],
+          target: float | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """One row per job: its overrides, swept values, status, final numbers (raw values) and,
+    given a target eval loss, where the job reached it (empty cells where it never did)."""
     keys = swept_keys(jobs)
     rows = []
     for job in jobs:
@@ -81,6 +142,11 @@ def table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
             row |= {k: s[k] for k in ("world_size", "micro_batch_size", "accum_steps")}
             row |= {"global_batch": _global_batch(s), "optimizer_steps": s["optimizer_steps"]}
             row |= final_metrics(s)
+        if target is not None:
+            row["target_loss"] = target
+            reached = to_target(job.evals, target)
+            row |= {f"{axis}_to_target": "" if reached is None or not math.isfinite(reached[axis])
+                    else reached[axis] for axis in AXES}
         row["error"] = s.get("error", "")
         row["dir"] = str(job.dir)
         rows.append(row)
@@ -106,6 +172,9 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
+    "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
+    "bytes_to_target": ("all-reduce MB to target", lambda v: f"{v / 1e6:.2f}"),
+    "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),
 }
 # Set-up columns that move out of the table into one line when every completed job agrees.
 SETUP = ("world_size", "micro_batch_size", "accum_steps", "global_batch", "optimizer_steps")
@@ -127,7 +196,8 @@ def _loss_spread(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
-             rows: list[dict[str, Any]]) -> str:
+             rows: list[dict[str, Any]], target: float | None = None,
+             target_given: bool = False) -> str:
     """The table a person reads: the swept values, what differs, and the final numbers."""
     failed = sum(r["status"] != "completed" for r in rows)
     done = [r for r in rows if r["status"] == "completed"]
@@ -143,21 +213,27 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     if same:
         lines.append("Same in every completed job: " + ", ".join(
             f"{MARKDOWN[c][0]} {_cell(c, done[0][c])}" for c in same) + ".")
+    if target is not None:
+        how = "given" if target_given else "the worst final eval loss among completed jobs"
+        lines.append(f"Target eval loss {target:.6g} ({how}): the to-target columns are where "
+                     "each job's eval loss first reached it (interpolated between evaluations; "
+                     "empty: never).")
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         cells = [_cell(c, row.get(c, "")).replace("|", "\\|") for c in shown]
         lines.append("| " + " | ".join(cells) + " |")
     spread = _loss_spread(rows)
     lines += ["", *([spread, ""] if spread else []),
-              "Per-rank counters are rank 0's; peak RSS is the largest worker's. Loss curves "
-              "and samples/s: sweep.png. Every column: sweep_summary.csv. HParams: "
+              "Per-rank counters are rank 0's; peak RSS is the largest worker's. Loss against "
+              "samples, bytes and seconds: sweep.png. Every column: sweep_summary.csv. HParams: "
               f"`tensorboard --logdir {sweep_dir}`.", ""]
     return "\n".join(lines)
 
 
-def plot(jobs: list[Job], path: Path):
-    """Loss curves of every job on one axis (against samples seen, so different N compare at
-    equal data) and samples/s against the swept value. Returns the figure (closed)."""
+def plot(jobs: list[Job], path: Path, target: float | None = None):
+    """Three panels, one colour per job: eval loss (markers) and train loss (thin) against
+    samples seen, all-reduce bytes (log axis) and training seconds; the target as a dashed line.
+    Returns the figure (closed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,30 +245,35 @@ def plot(jobs: list[Job], path: Path):
         text = " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
         return text if job.completed else f"{text} (failed)"
 
-    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for job in jobs:
-        if job.losses:
-            samples, losses = zip(*job.losses, strict=True)
-            ax_loss.plot(samples, losses, label=label(job), linewidth=1.2)
+    fig, axes = plt.subplots(1, len(AXES), figsize=(16, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     # NaN marks a window aborted by fp16 overflow: a gap in the curve, not a scale
-    all_losses = [loss for job in jobs for _, loss in job.losses if math.isfinite(loss)]
-    if all_losses and min(all_losses) > 0 and max(all_losses) > 10 * min(all_losses):
-        ax_loss.set_yscale("log")
-    ax_loss.set(xlabel="samples seen", ylabel="train loss (mean over ranks)",
-                title="Train loss per job")
-    if any(job.losses for job in jobs):
-        ax_loss.legend(fontsize="small")
-
-    done = [(i, job) for i, job in enumerate(jobs) if job.completed]
-    ax_speed.plot([i for i, _ in done], [job.summary["samples_per_s"] for _, job in done],
-                  "o-")
-    ticks = [(" ".join(job.overrides.get(k, "") for k in keys) or str(job.num))
-             + ("" if job.completed else "\n(failed)") for job in jobs]
-    ax_speed.set_xticks(range(len(jobs)), ticks)
-    ax_speed.set(xlabel=", ".join(keys) or "job", ylabel="samples/s", title="Throughput")
-    ax_speed.set_ylim(bottom=0)
-    for ax in (ax_loss, ax_speed):
+    every = [p.loss for job in jobs for p in job.losses + job.evals if math.isfinite(p.loss)]
+    log_loss = bool(every) and min(every) > 0 and max(every) > 10 * min(every)
+    evals = [p.loss for job in jobs for p in job.evals if math.isfinite(p.loss)]
+    for ax, (axis, xlabel) in zip(axes, AXES.items(), strict=True):
+        for i, job in enumerate(jobs):
+            color = colors[i % len(colors)]
+            if job.losses:
+                ax.plot([getattr(p, axis) for p in job.losses], [p.loss for p in job.losses],
+                        color=color, linewidth=0.8, alpha=0.35)
+            if job.evals:
+                ax.plot([getattr(p, axis) for p in job.evals], [p.loss for p in job.evals],
+                        "o-", color=color, linewidth=1.6, markersize=3, label=label(job))
+        if target is not None:
+            ax.axhline(target, color="black", linestyle="--", linewidth=0.8)
+        if evals and not log_loss:  # the eval range, not the first steps' train loss, fills it
+            ax.set_ylim(top=max(evals) + 0.5 * (max(evals) - min(evals)) + 1e-3)
+        if axis == "bytes":
+            ax.set_xscale("log")
+        if log_loss:
+            ax.set_yscale("log")
+        ax.set(xlabel=xlabel, ylabel="loss" if axis == "samples" else None,
+               title=f"Loss vs {xlabel.split(' (')[0]}")
         ax.grid(True, alpha=0.3)
+    if any(job.evals for job in jobs):
+        axes[0].legend(fontsize="small", title="eval (dots); train: thin",
+                       title_fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -206,25 +287,32 @@ class SweepSummary:
     markdown: str
 
 
-def write_summary(sweep_dir: Path) -> SweepSummary:
-    """sweep_summary.csv, sweep_summary.md and sweep.png from the job dirs in sweep_dir."""
+def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSummary:
+    """sweep_summary.csv, sweep_summary.md and sweep.png from the job dirs in sweep_dir;
+    target_loss None: the worst final eval loss among the completed jobs."""
     jobs = read_jobs(sweep_dir)
-    columns, rows = table(jobs)
+    target = default_target(jobs) if target_loss is None else target_loss
+    columns, rows = table(jobs, target)
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
-    text = markdown(sweep_dir, jobs, columns, rows)
+    text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None)
     (sweep_dir / "sweep_summary.md").write_text(text)
-    plot(jobs, sweep_dir / "sweep.png")
+    plot(jobs, sweep_dir / "sweep.png", target)
     return SweepSummary(len(rows), sum(r["status"] != "completed" for r in rows), text)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m gradsync.sweep <sweep dir>", file=sys.stderr)
+    try:
+        target = float(argv[1]) if len(argv) == 2 else None
+    except ValueError:
+        target = math.nan
+    if len(argv) not in (1, 2) or not Path(argv[0]).is_dir() or \
+            (target is not None and not math.isfinite(target)):
+        print("usage: python -m gradsync.sweep <sweep dir> [target eval loss]", file=sys.stderr)
         return 2
-    result = write_summary(Path(argv[0]))
+    result = write_summary(Path(argv[0]), target)
     print(result.markdown)
     return 1 if result.failed else 0
 

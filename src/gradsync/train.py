@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradsync import sweep
 from gradsync.checkpoint import ResumeError, resolve_resume
-from gradsync.components import cwd_importable
+from gradsync.components import cwd_importable, describe
 from gradsync.config import (
+    EXTRA,
     RUNTIME,
     ConfigError,
     accepted_keys,
@@ -161,12 +162,17 @@ def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: in
 class SweepSummary(Callback):
     """conf/config.yaml registers it under hydra.callbacks. When a multirun ends it writes the
     sweep summary from the job dirs, prints it, and ends the sweep with exit code 1 if any job
-    failed: sys.exit, because Hydra turns exceptions raised in callbacks into warnings."""
+    failed: sys.exit, because Hydra turns exceptions raised in callbacks into warnings.
+    target_loss (hydra.callbacks.sweep_summary.target_loss): the eval loss the to-target
+    columns measure; null: the worst final eval loss among the completed jobs."""
+
+    def __init__(self, target_loss: float | None = None) -> None:
+        self.target_loss = target_loss
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
-            result = sweep.write_summary(sweep_dir)
+            result = sweep.write_summary(sweep_dir, self.target_loss)
         except Exception as e:  # a warning and exit code 0 otherwise
             print(f"gradsync: sweep summary failed: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
@@ -200,6 +206,10 @@ def _resolve_resume(plain: dict, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
                         world, str(path) if path else None)
+        for group in RUNTIME:  # what a component says of itself: e.g. a corpus's SHA-256
+            described = describe(plain[group], RUNTIME[group], EXTRA.get(group, ()))
+            if described is not None:
+                info[group] = described
         write_run_info(run_dir / "run_info.json", info)
 
 

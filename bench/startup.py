@@ -1,0 +1,110 @@
+"""How fast a job starts: the default experiment for one optimizer step, from the command to its
+first optimizer step (the moment metrics.jsonl gets its first row: a 1-step run writes it right
+after the step) and to its exit. Variants are interleaved, round after round, so a machine whose
+load drifts affects each alike; the table (bench/results/<date>_startup.md) gives the median
+and the range.
+
+    python bench/startup.py [--rounds 5] [--variant LABEL=KEY=VALUE,...]
+
+By default: this tree as it starts workers (fork on CPU), and the same tree with
+GRADSYNC_START_METHOD=spawn (a fresh interpreter per worker, as before). A variant may set
+PYTHONPATH to another checkout's src/ to compare code (before/after a change). `make bench`
+runs it after the throughput benchmark (STARTUP_ARGS=...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMAND = ["-m", "gradsync.train", "trainer.max_steps=1", "trainer.progress_bar=false"]
+DEFAULT_VARIANTS = {"fork (default on CPU)": {},
+                    "spawn": {"GRADSYNC_START_METHOD": "spawn"}}
+
+
+def one_run(env_extra: dict[str, str], timeout: float = 300) -> tuple[float, float]:
+    """Seconds from the command to the first optimizer step, and to the exit."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(REPO / "src"))
+    env.update(env_extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = Path(tmp) / "run" / "metrics.jsonl"
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, *COMMAND, f"hydra.run.dir={tmp}/run"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=tmp)
+        first = None
+        while proc.poll() is None and time.perf_counter() - start < timeout:
+            if first is None and rows.exists() and rows.stat().st_size > 0:
+                first = time.perf_counter() - start
+            time.sleep(0.01)
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+        end = time.perf_counter() - start
+        if proc.returncode != 0 or first is None:
+            raise RuntimeError(f"startup run failed ({proc.returncode}): {err[-2000:]}")
+    return first, end
+
+
+def measure(variants: dict[str, dict[str, str]], rounds: int) -> dict[str, list[tuple]]:
+    out: dict[str, list[tuple]] = {name: [] for name in variants}
+    for rnd in range(rounds):
+        order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
+        for name in order:
+            first, end = one_run(variants[name])
+            out[name].append((first, end))
+            print(f"startup round {rnd + 1} {name:28s} first step {first:6.2f} s  "
+                  f"exit {end:6.2f} s", flush=True)
+    return out
+
+
+def markdown(results: dict[str, list[tuple]]) -> str:
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    lines = ["## Start-up: the default experiment, 1 optimizer step", "",
+             f"`python {' '.join(COMMAND)}`; median (min-max) seconds over "
+             f"{len(next(iter(results.values())))} interleaved rounds.", "",
+             "| variant | command -> first optimizer step s | command -> exit s |",
+             "|---|---|---|"]
+    for name, runs in results.items():
+        lines.append(f"| {name} | {cell([r[0] for r in runs])} | {cell([r[1] for r in runs])} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """LABEL=KEY=VALUE[,KEY=VALUE...] (LABEL= alone: no extra environment)."""
+    variants = {}
+    for spec in specs:
+        label, _, rest = spec.partition("=")
+        variants[label] = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return variants
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL=KEY=VALUE,...: a variant's extra environment (repeatable)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"),
+                    help="writes <date>_startup.md here")
+    args = ap.parse_args()
+    variants = parse_variants(args.variant) if args.variant else DEFAULT_VARIANTS
+    text = markdown(measure(variants, args.rounds))
+    path = Path(args.out) / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}_startup.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"\nwrote {path}\n{text}")
+
+
+if __name__ == "__main__":
+    main()
