@@ -228,15 +228,22 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
 def test_a_race_job_records_the_corpus_and_its_bytes_and_seconds_per_row(tmp_path, cli_env):
     """One real contestant for 3 steps: run_info.json holds the corpus digest; every metrics row
     and every evaluation row holds the cumulative all-reduce bytes and loop seconds."""
+    root = tmp_path / "lib"  # a small corpus of its own: the same files on every Python
+    root.mkdir()
+    for i in range(30):
+        (root / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n\n" * 40)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "gradsync.train", "experiment=policy_race",
-         "+experiment/race=always", "data.max_bytes=60000", "trainer.max_steps=3",
-         "trainer.eval_every=2", "trainer.log_every=1", "trainer.progress_bar=false",
-         f"hydra.run.dir={run_dir}"], capture_output=True, text=True, env=cli_env, timeout=300)
+         "+experiment/race=always", f"data.root={root}", "data.eval_fraction=0.3",
+         "trainer.max_steps=3", "trainer.eval_every=2", "trainer.log_every=1",
+         "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     info = json.loads((run_dir / "run_info.json").read_text())["data"]
-    assert info == corpus.provenance(max_len=128, max_bytes=60000, eval_fraction=0.1)
+    assert info == corpus.provenance(max_len=128, max_bytes=600000, eval_fraction=0.3,
+                                     root=str(root))
+    assert info["train_files"] + info["eval_files"] == 30 and info["eval_files"] >= 1
     s = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
