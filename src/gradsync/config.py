@@ -199,12 +199,14 @@ def check_components(cfg: dict[str, Any], world: int) -> None:
     provides = tuple(getattr(data, "sizes", DATA_SIZES))
     unit = getattr(data, "unit", "samples")
     # the model gets the data's sizes that it names: those are not config keys
-    model = check("model", cfg["model"], provides, replace(ctx, group="model"))
-    for name, p in parameters(model).items():
-        if name in DATA_SIZES and p.default is p.empty and name not in provides:
-            raise ConfigError(f"model: {cfg['model']['_target_']} needs {name}, which "
-                              f"data ({data_node['_target_']}) does not provide (it provides "
-                              f"{', '.join(provides)})")
+    model_node = cfg["model"]
+    if isinstance(model_node, dict) and "_target_" in model_node:
+        for name, p in parameters(locate(model_node["_target_"], "model._target_")).items():
+            if name in DATA_SIZES and p.default is p.empty and name not in provides:
+                raise ConfigError(f"model: {model_node['_target_']} needs {name}, which "
+                                  f"data ({data_node['_target_']}) does not provide (it "
+                                  f"provides {', '.join(provides)})")
+    check("model", model_node, provides, replace(ctx, group="model"))
     for group in ("sync", "optimizer", "lr_scheduler"):
         check(group, cfg[group], RUNTIME[group], replace(ctx, group=group))
     normalize = cfg["loss"]["normalize"]

@@ -286,10 +286,9 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1
             finished = state.done(s)
+            p.policy.after_window(p.ddp.module, state.windows)
             if finished:
                 p.policy.finish(p.ddp.module)  # e.g. local SGD ends with an averaging
-            else:
-                p.policy.after_window(p.ddp.module, state.windows)
             steps.add({"window": state.windows, "step": state.step, "epoch": epoch,
                        "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                        "stepped": stepped}, local_loss)

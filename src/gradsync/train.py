@@ -246,7 +246,7 @@ def one_line(exc: BaseException) -> str:
             node = _chosen_option(group)
             return (f"{full_key.group(1)}: unknown key for {node.get('_target_')}; accepted "
                     f"keys: {accepted_keys(group, node)}")
-        keys = schema_keys(obj.group(1)) if obj else []
+        keys = sorted(schema_keys(obj.group(1))) if obj else []
         return f"{full_key.group(1)}: unknown key; allowed keys: {', '.join(keys)}"
     if full_key:
         return f"{full_key.group(1)}: {str(cause or exc).strip().splitlines()[0]}"
