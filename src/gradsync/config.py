@@ -178,7 +178,7 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    threads_per_worker: int = 0  # 0: cpu_count // devices
+    threads_per_worker: int = 0  # 0: usable CPUs // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
     gradient_as_bucket_view: bool = True
@@ -190,6 +190,7 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
+    requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
@@ -386,7 +387,9 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
     _require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
     backend = cfg["trainer"]["backend"]
     device = "cuda" if backend == "nccl" or (backend == "auto" and cuda_available) else "cpu"
-    if not autocast_runs(prec, device):
+    # CUDA: refused by the capability of the GPUs the ranks will use (train.check_devices),
+    # never by running an op here, which would put a CUDA context on GPU 0
+    if device == "cpu" and not autocast_runs(prec, device):
         runnable = [name for name in DTYPES if autocast_runs(name, device)]
         raise ConfigError(f"precision.name={prec!r} cannot run on {device} (torch autocast "
                           f"falls back to fp32 there): choose one of {', '.join(runnable)}")
