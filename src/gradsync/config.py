@@ -381,7 +381,8 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
 
 def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
     """The precision, its scaler settings and amp_aware's options; a precision that autocast
-    cannot run on the device the workers will use is refused here, before they start."""
+    cannot run on the CPU is refused here, before the workers start (on CUDA: by the GPUs'
+    compute capability, in train.check_devices)."""
     pcfg, sync = cfg["precision"], cfg["sync"]
     prec = pcfg["name"]
     _require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
