@@ -31,7 +31,7 @@ def hot_path(precision: str) -> dict:
 
     device = one_rank_nccl()
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
-                         "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=512",
+                         "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
                          "schedule.accum_steps=2", "model.dropout=0.1"])
     validate(cfg, cuda_available=True)
     p = build_parts(cfg, 0, 1, device)
