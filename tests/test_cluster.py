@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import cli_environ
-from gradsync.launch import adopt_submitit_ranks, job_rank
+from gradsync.launch import adopt_submitit_ranks
+from gradsync.ranks import job_rank
 from gradsync.train import CONF_DIR
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

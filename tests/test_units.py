@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gradsync.data import loss_sum
-from gradsync.lr_schedulers import WarmupCosine, build_lr_scheduler
+from gradsync.data import cross_entropy_per_sample, mse_per_sample
+from gradsync.lr_schedulers import WarmupCosine, warmup_cosine
 from gradsync.policies import AccumulateSync, AlwaysSync
 from gradsync.schedules import (
     EpochwiseSchedule,
@@ -17,6 +17,7 @@ from gradsync.schedules import (
     plan_epoch,
     total_optimizer_steps,
 )
+from gradsync.settings import GlobalBatchScheduleConfig
 
 
 def test_plan_epoch_counts_short_last_micro_batch_and_partial_window():
@@ -45,7 +46,7 @@ def test_epochwise_schedule_holds_each_entry_until_the_next():
 
 
 def test_global_batch_and_total_steps():
-    s = build_schedule({"name": "global_batch", "global_batch_size": 64}, 2, 8)
+    s = build_schedule(GlobalBatchScheduleConfig(global_batch_size=64), 2, 8)
     assert s.accum_steps(0) == 4
     # 100 local samples, micro 8, N=4 -> 4 steps/epoch; 3 epochs -> 12; capped by max_steps
     assert total_optimizer_steps(s, 3, -1, 100, 8) == 12
@@ -72,8 +73,7 @@ def test_warmup_cosine_values():
 def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = build_lr_scheduler({"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.0},
-                               opt, 10)
+    sched = warmup_cosine(opt, 10, warmup_steps=2, min_lr_ratio=0.0)
     for _ in range(3):
         opt.step()
         sched.step()
@@ -82,10 +82,11 @@ def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
     assert state["last_epoch"] == 3 and state["lr_lambdas"][0]["total_steps"] == 10
 
 
-def test_loss_sum_is_a_sum_of_per_sample_means():
+def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
     out = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
     y = torch.zeros(2, 2)
-    assert loss_sum("regression", out, y).item() == pytest.approx((1 + 9) / 2 + 0)
+    sums, counts = mse_per_sample(out, y)
+    assert sums.tolist() == [(1 + 9) / 2, 0.0] and counts.tolist() == [1.0, 1.0]
     logits = torch.zeros(3, 4)
-    assert loss_sum("classification", logits, torch.tensor([0, 1, 2])).item() == \
+    assert cross_entropy_per_sample(logits, torch.tensor([0, 1, 2]))[0].sum().item() == \
         pytest.approx(3 * math.log(4))

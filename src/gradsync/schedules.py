@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+
+from gradsync.settings import ConstantScheduleConfig, EpochwiseScheduleConfig, ScheduleConfig
 
 
 class ConstantSchedule:
@@ -28,17 +29,14 @@ class EpochwiseSchedule:
         return self.steps[bisect.bisect_right(self.starts, epoch) - 1]
 
 
-def build_schedule(cfg: dict[str, Any], world_size: int, micro_batch_size: int):
-    name = cfg["name"]
-    if name == "constant":
-        return ConstantSchedule(cfg["accum_steps"])
-    if name == "epochwise":
-        return EpochwiseSchedule(cfg["accum_steps_by_epoch"])
-    if name == "global_batch":
-        per_window, rem = divmod(cfg["global_batch_size"], world_size * micro_batch_size)
-        assert rem == 0 and per_window >= 1, "validated in config.validate"
-        return ConstantSchedule(per_window)
-    raise ValueError(f"unknown schedule {name!r}")
+def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int):
+    if isinstance(cfg, ConstantScheduleConfig):
+        return ConstantSchedule(cfg.accum_steps)
+    if isinstance(cfg, EpochwiseScheduleConfig):
+        return EpochwiseSchedule(cfg.accum_steps_by_epoch)
+    per_window, rem = divmod(cfg.global_batch_size, world_size * micro_batch_size)
+    assert rem == 0 and per_window >= 1, "validated in config.validate"
+    return ConstantSchedule(per_window)
 
 
 @dataclass(frozen=True)
