@@ -17,7 +17,7 @@ from gradsync.comm import install_counting_hook
 from gradsync.data import mse_per_sample
 from gradsync.loop import Progress, optimizer_step, run_window, train
 from gradsync.metrics import RunLog
-from gradsync.normalize import SAMPLES
+from gradsync.normalize import BySamples
 from gradsync.precision import Precision
 from gradsync.schedules import Window
 from gradsync.settings import RunConfig
@@ -40,7 +40,8 @@ def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     return SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
                            precision=precision, policy=built,
-                           s=SimpleNamespace(clip_grad_norm=0.0), normalizer=SAMPLES), counts
+                           s=SimpleNamespace(clip_grad_norm=0.0),
+                           normalizer=BySamples(dist.get_world_size())), counts
 
 
 def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
@@ -70,8 +71,9 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
             scales.append(precision.scale)
             return mse_per_sample(out, y)
 
-        run_window(ddp, batches(), Window(0, len(MICRO), sum(MICRO)), policy, precision, loss_fn,
-                   torch.device("cpu"))
+        n = sum(MICRO)
+        run_window(ddp, batches(), Window(0, len(MICRO), n, n, n * dist.get_world_size()), policy,
+                   precision, loss_fn, torch.device("cpu"), p.normalizer)
         syncs_before_step = counts.sync_backwards
         stepped, _ = optimizer_step(p, want_norm=False)
         windows.append({
@@ -112,8 +114,8 @@ def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
     sync = {"name": "amp_aware", "comm_dtype": comm_dtype, "overflow_consensus": True}
     p, counts = _fp16_parts(sync, 30000.0 / biggest, model)
     initial = _params(model)
-    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12), p.policy, p.precision,
-               mse_per_sample, torch.device("cpu"))
+    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12, 12, 12 * dist.get_world_size()),
+               p.policy, p.precision, mse_per_sample, torch.device("cpu"), p.normalizer)
     scale_before = p.precision.scale
     stepped, _ = optimizer_step(p, want_norm=False)
     return {"stepped": stepped, "scale_before": scale_before, "scale_after": p.precision.scale,

@@ -41,3 +41,8 @@ class CorruptRank1After:
         if windows_done == self.window and torch.distributed.get_rank() == 1:
             with torch.no_grad():
                 next(iter(model.parameters()))[0].add_(1e-3)
+
+
+def data_that_fails(test_fraction: float = 0.2, split_seed: int = 0):
+    """The digits' keys, but building it fails in every worker (after the config was checked)."""
+    raise ValueError("the data cannot be loaded (a test aid)")

@@ -15,7 +15,7 @@ from gradsync.components import build
 from gradsync.data import mse_per_sample, pad_batch, token_loss_per_sample
 from gradsync.loop import run_window
 from gradsync.models import MLP, Transformer
-from gradsync.normalize import build_normalizer
+from gradsync.normalize import BySamples, build_normalizer
 from gradsync.policies import Policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
@@ -65,10 +65,11 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
             yield b
 
     it = batches()
-    window = Window(0, len(micro_sizes), sum(micro_sizes))
+    window = Window(0, len(micro_sizes), sum(micro_sizes), sum(micro_sizes),
+                    sum(micro_sizes) * world)
 
     run_window(ddp, it, window, policy(policy_name), Precision("fp32", "cpu"), mse_per_sample,
-               torch.device("cpu"))
+               torch.device("cpu"), BySamples(world))
     snaps.append(flat_grad())
     return {"grads": snaps, "sync_backwards": counts.sync_backwards,
             "allreduce_calls": counts.allreduce_calls, "allreduce_bytes": counts.allreduce_bytes}
@@ -161,9 +162,35 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
     norm = build_normalizer(normalize, "tokens", world, torch.device("cpu"), tokens_per_sample)
     prec = Precision(precision, "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples),
+    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples, samples, samples * world),
                       policy("accumulate"), prec, token_loss_per_sample, torch.device("cpu"), norm)
     prec.unscale(opt)
     norm.before_step(ddp.parameters())
     grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])
     return {"grad": grad, "loss": float(loss), "scale": prec.scale}
+
+
+# --- data that does not divide evenly (tests/test_uneven.py) ------------------------------------
+def train_recording_steps(cfg: dict) -> dict:
+    """The worker's real parts and loop (no outputs written); at every optimizer step, records
+    the parameters the window's forwards used and the gradient the step applies."""
+    from gradsync.loop import Progress, train
+    from gradsync.metrics import RunLog
+    from gradsync.worker import build_parts
+
+    p = build_parts(RunConfig.from_plain(cfg), dist.get_rank(), dist.get_world_size(),
+                    torch.device("cpu"))
+    steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    forwards: list[int] = []  # DDP's own forwards: training micro-batches (eval uses .module)
+    p.ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
+
+    def record(optimizer, args, kwargs):
+        params = list(p.ddp.module.parameters())
+        steps.append(([q.detach().clone() for q in params],
+                      [q.grad.detach().clone() for q in params]))
+
+    p.optimizer.register_step_pre_hook(record)
+    state = train(p, Progress(), RunLog(Path("."), active=False))
+    return {"steps": steps, "samples_seen": state.samples_seen, "last_loss": state.last_loss,
+            "eval": state.last_eval, "micro_steps": len(forwards),
+            "params": [q.detach().clone() for q in p.ddp.module.parameters()]}

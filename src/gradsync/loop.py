@@ -1,11 +1,14 @@
 """The training loop: micro-batches grouped into windows, one optimizer step per window.
 
 For every micro-batch the sync policy decides whether its forward+backward runs inside
-``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
-holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
-applies the gradient of the mean loss over every sample of the window on every rank, a short
-last window included. Token-normalised losses, whose count is only known at the window's end,
-are rescaled once before the step (normalize.py).
+``no_sync()``. Each micro-batch's summed loss is divided by the number of real samples its
+window holds over all ranks, over the world size, and DDP averages over ranks, so each step
+applies the gradient of the mean loss over every real sample of the window on every rank, a
+short last window included. The samples the sampler repeats to give every rank the same number
+of micro-batches (data not a multiple of the world size) still run forward and backward (DDP's
+collectives must match) but are left out of the loss (schedules.Shard says which they are).
+Token-normalised losses, whose count is only known at the window's end, are rescaled once
+before the step (normalize.py).
 
 Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
 x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
@@ -33,10 +36,10 @@ from gradsync.data import epoch_batches
 from gradsync.devices import peak_memory_mb
 from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
-from gradsync.normalize import SAMPLES, Normalizer
+from gradsync.normalize import Normalizer
 from gradsync.policies import Policy, sync_context
 from gradsync.precision import Precision
-from gradsync.schedules import Window, plan_epoch
+from gradsync.schedules import Shard, Window, plan_epoch
 
 
 @dataclass
@@ -75,7 +78,7 @@ class Parts:
     counts: CommCounts
     device: torch.device
     s: LoopSettings
-    normalizer: Normalizer = SAMPLES  # what each micro-batch's loss is divided by
+    normalizer: Normalizer  # what each micro-batch's loss is divided by
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: StopAgreement | None = None  # None: signals are not watched
@@ -87,7 +90,7 @@ class Progress:
     step: int = 0  # optimizer steps applied (an AMP-skipped step is not one)
     windows: int = 0  # windows run = optimizer-step attempts, skipped ones included
     epoch: int = 0
-    samples_seen: int = 0  # over all ranks
+    samples_seen: int = 0  # over all ranks, the sampler's repeats not counted
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
@@ -108,20 +111,26 @@ class UnsyncedWindow(RuntimeError):
 
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                policy: Policy, precision: Precision, loss: Callable,
-               device: torch.device, norm: Normalizer = SAMPLES) -> torch.Tensor:
+               device: torch.device, norm: Normalizer) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
     in full). After each backward the policy may find the window doomed (an overflow on some
-    rank): the rest of the window is then drawn from the loader but not computed. A window whose
-    last micro-batch ran inside no_sync() is refused (UnsyncedWindow) unless the policy keeps
-    the replicas consistent itself (syncs_parameters)."""
+    rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
+    without compute, so the data order never depends on overflows. Only the window's first
+    ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
+    and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
+    loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
+    unless the policy keeps the replicas consistent itself (syncs_parameters)."""
     total = torch.zeros((), device=device)
     doomed = False
+    real_left = window.real
     for i in range(window.size):
         x, y = next(batches)
+        keep = min(real_left, len(y))
+        real_left -= keep
         if doomed:
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
         sync = policy.should_sync(i, window.size)
         if i == window.size - 1 and not sync and not policy.syncs_parameters:
             raise UnsyncedWindow(
@@ -133,7 +142,8 @@ def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                 "parameters itself")
         with sync_context(ddp, sync):
             with precision.autocast():
-                sums, counts = loss(ddp(x), y)
+                out = ddp(x)
+                sums, counts = loss(out if keep == len(out) else out[:keep], y)
                 micro = norm.micro_loss(window, i, sums, counts)
             precision.backward(micro)
         total += micro.detach()
@@ -261,7 +271,9 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     stop = 0
     while not state.done(s) and not stop:
         epoch, first = state.epoch, state.epoch_step
-        plan = plan_epoch(len(p.sampler), s.micro_batch_size, p.schedule.accum_steps(epoch))
+        shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
+                      p.sampler.num_replicas)
+        plan = plan_epoch(shard, s.micro_batch_size, p.schedule.accum_steps(epoch))
         batches = epoch_batches(p.loader, epoch, plan[first].start * s.micro_batch_size)
         for k in range(first, len(plan)):
             window = plan[k]
@@ -274,7 +286,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             state.train_s += time.perf_counter() - t0
             state.windows += 1
             state.step += stepped
-            state.samples_seen += window.local_samples * s.world_size
+            state.samples_seen += window.global_real
             end_of_epoch = k == len(plan) - 1
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1

@@ -2,15 +2,17 @@
 and, when that divisor could not be known in advance, the one gradient rescale before the
 optimizer step (``loss.normalize``).
 
-- ``samples``: the window's sample count on this rank, known in advance from the window plan and
-  equal on every rank; DDP's average over ranks completes the mean. No extra work at all. On
+- ``samples``: the window's real sample count over all ranks, divided by the world size (DDP's
+  average over ranks completes the mean), known in advance from the window plan
+  (schedules.plan_epoch): the samples the DistributedSampler repeats to even out the ranks are
+  neither in the loss (the loop drops them) nor in the count. No communication at all. On
   token data each sequence's own mean token loss counts as its sample loss.
 - ``tokens``: the global count of loss (non-padding) tokens in the window, over every
-  micro-batch and rank. Deferred: backward runs on the summed token loss over a constant (so
-  magnitudes stay near a per-token mean), each rank counts its tokens, one scalar all-reduce of
-  the count is launched after the window's last forward (it overlaps with the syncing
-  backward), and the gradients are rescaled once by world_size x constant / global_count after
-  the scaler's unscale and before clipping. No prefetch of the window.
+  micro-batch and rank (the sampler's repeats hold none). Deferred: backward runs on the summed
+  token loss over a constant (so magnitudes stay near a per-token mean), each rank counts its
+  tokens, one scalar all-reduce of the count is launched after the window's last forward (it
+  overlaps with the syncing backward), and the gradients are rescaled once by world_size x
+  constant / global_count after the scaler's unscale and before clipping. No prefetch.
 - ``micro_batch_mean``: every micro-batch's own mean, divided by the number of micro-batches,
   then averaged over ranks: the accumulation bug Transformers fixed in autumn 2024. Wrong on
   variable-length data; it exists only to measure that error.
@@ -54,23 +56,23 @@ class Normalizer(Protocol):
 class BySamples:
     name = "samples"
 
-    def __init__(self, per_unit: bool = False):
+    def __init__(self, world_size: int, per_unit: bool = False):
+        self.world_size = world_size
         self.per_unit = per_unit  # token data: a sequence's loss is its mean token loss
 
     def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
         if self.per_unit:
             sums = sums / counts.clamp_min(1)
-        return sums.sum() / window.local_samples
+        # ranks hold different numbers of real samples in an epoch's last window: DDP's mean
+        # over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples
+        return sums.sum() / (window.global_real / self.world_size)
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
 
     def before_step(self, params: Iterable[torch.nn.Parameter]) -> None:
         pass
-
-
-SAMPLES = BySamples()
 
 
 class ByTokens:
@@ -123,7 +125,8 @@ class ByMicroBatchMean:
 
     def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
-        return sums.sum() / (counts.sum() * window.size)
+        # a micro-batch of repeats only: a loss of 0, not 0 / 0
+        return sums.sum() / (counts.sum().clamp_min(1) * window.size)
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
@@ -142,7 +145,7 @@ def build_normalizer(name: str, unit: str, world_size: int, device: torch.device
     """unit: what the data's loss counts (samples or tokens)."""
     name = resolve(name, unit)
     if name == "samples":
-        return BySamples(per_unit=unit == "tokens")
+        return BySamples(world_size, per_unit=unit == "tokens")
     if name == "tokens":
         return ByTokens(world_size, device, tokens_per_sample)
     if name == "micro_batch_mean":
