@@ -322,22 +322,29 @@ def kill_and_resume(check: Check, n: int, out: Path) -> None:
 LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0", "trainer.max_epochs=4"]
 
 
+def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The LM experiment's data, model and optimizer, built from its config as gradsync builds
+    them (same seed: the same model init)."""
+    import torch
+
+    from gradsync.components import build
+    from gradsync.repro import seed_everything
+    from gradsync.train import compose_plain
+
+    cfg = compose_plain(LM)
+    seed_everything(cfg["seed"])
+    data = build(cfg["data"], {"seed": cfg["seed"]}, extra=("micro_batch_size",))
+    model = build(cfg["model"], data.sizes).to(torch.device(device))
+    return data, model, build(cfg["optimizer"])(model.parameters()), cfg
+
+
 def handwritten_lm(epochs: int) -> dict[str, Any]:
     """The LM experiment's model, data, optimizer and window (global batch 64 = 8 micro-batches
     of 8) on one GPU, written by hand: no DDP, no policies, no logging."""
     import torch
 
-    from gradsync.config import build_optimizer
-    from gradsync.data import IGNORE_INDEX, build_data, loss_sum
-    from gradsync.models import build_model
-    from gradsync.train import compose_plain
-
-    cfg = compose_plain(LM)
     device = torch.device("cuda", 0)
-    torch.manual_seed(cfg["seed"])
-    data = build_data(cfg["data"], cfg["seed"])
-    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
-    opt = build_optimizer(cfg["optimizer"], model.parameters())
+    data, model, opt, cfg = lm_parts(device)
     micro = cfg["data"]["micro_batch_size"]
     accum = cfg["schedule"]["global_batch_size"] // micro
     loader = torch.utils.data.DataLoader(data.train, batch_size=micro, shuffle=True,
@@ -347,27 +354,23 @@ def handwritten_lm(epochs: int) -> dict[str, Any]:
     for _ in range(epochs):
         for i, (x, y) in enumerate(loader):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            units = (y != IGNORE_INDEX).sum()  # a tensor: no wait for the GPU
-            (loss_sum(data.task, model(x), y) / (units * accum)).backward()
+            sums, counts = data.loss(model(x), y)
+            (sums.sum() / (counts.sum() * accum)).backward()  # tensors: no wait for the GPU
             if (i + 1) % accum == 0 or i + 1 == len(loader):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    targets = epochs * data.tokens_per_sample * len(data.train)  # type: ignore[arg-type]
+    targets = epochs * data.tokens_per_sample * len(data.train)
     return {"tokens_per_s": targets / elapsed, "seconds": elapsed}
 
 
 def lm_throughput(check: Check, out: Path) -> None:
-    from gradsync.data import build_data
-    from gradsync.train import compose_plain
-
     code, err, s = train(out / "lm", "trainer.devices=1", *LM)
     if code != 0:
         check.done(False, f"gradsync LM run: exit code {code}: {last_line(err)}")
         return
-    cfg = compose_plain(LM)
-    data = build_data(cfg["data"], cfg["seed"])
+    data, _, _, _ = lm_parts("cpu")
     ours = s["samples_per_s"] * data.tokens_per_sample
     done = subprocess.run([sys.executable, __file__, "--handwritten-lm", str(LM_EPOCHS)],
                           capture_output=True, text=True, env=child_env(), cwd=REPO,

@@ -25,7 +25,8 @@ def hot_path(precision: str) -> dict:
     from gradsync.config import validate
     from gradsync.data import epoch_batches
     from gradsync.loop import optimizer_step, run_window
-    from gradsync.schedules import plan_epoch
+    from gradsync.schedules import Shard, plan_epoch
+    from gradsync.settings import RunConfig
     from gradsync.train import compose_plain
     from gradsync.worker import build_parts
 
@@ -34,12 +35,13 @@ def hot_path(precision: str) -> dict:
                          "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
                          "schedule.accum_steps=2", "model.dropout=0.1"])
     validate(cfg, cuda_available=True)
-    p = build_parts(cfg, 0, 1, device)
-    plan = plan_epoch(len(p.sampler), p.micro_batch_size, p.schedule.accum_steps(0))
+    p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
+    shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
+    plan = plan_epoch(shard, p.s.micro_batch_size, p.schedule.accum_steps(0))
     batches = epoch_batches(p.loader, 0)
 
     def window(k: int) -> torch.Tensor:
-        loss = run_window(p.ddp, batches, plan[k], p.policy, p.precision, p.loss_fn, p.device,
+        loss = run_window(p.ddp, batches, plan[k], p.policy, p.precision, p.loss, p.device,
                           p.normalizer)
         optimizer_step(p, want_norm=False)
         return loss
@@ -65,14 +67,13 @@ def powersgd_rng() -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsync.comm import install_counting_hook
-    from gradsync.policies import build_policy
+    from gradsync.policies import AccumulateSync, Policy
 
     device = one_rank_nccl()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
-    policy = build_policy({"name": "accumulate", "compression": "powersgd", "powersgd_rank": 1,
-                           "powersgd_start_step": 2})
+    policy = Policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_step=2))
     install_counting_hook(ddp, policy.comm_hook())
     torch.cuda.manual_seed(123)
     unchanged = []
