@@ -249,14 +249,17 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
 
 
 def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
-    """The precision and its scaler settings; a precision that autocast
-    cannot run on the device the workers will use is refused here, before they start."""
+    """The precision and its scaler settings; a precision that autocast cannot run on the CPU
+    is refused here, before the workers start (on CUDA: by the GPUs' compute capability, in
+    train.check_devices)."""
     pcfg = cfg["precision"]
     prec = pcfg["name"]
     require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
     backend = cfg["trainer"]["backend"]
     device = "cuda" if backend == "nccl" or (backend == "auto" and cuda_available) else "cpu"
-    if not autocast_runs(prec, device):
+    # CUDA: refused by the capability of the GPUs the ranks will use (train.check_devices),
+    # never by running an op here, which would put a CUDA context on GPU 0
+    if device == "cpu" and not autocast_runs(prec, device):
         runnable = [name for name in DTYPES if autocast_runs(name, device)]
         raise ConfigError(f"precision.name={prec!r} cannot run on {device} (torch autocast "
                           f"falls back to fp32 there): choose one of {', '.join(runnable)}")

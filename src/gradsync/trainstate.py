@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradsync.devices import to_cpu
 from gradsync.loop import Parts, Progress
 from gradsync.repro import config_hash
 
@@ -36,26 +37,28 @@ def rank_counters(p: Parts) -> dict[str, Any]:
     return {"comm": p.counts, "overflow": p.policy.overflow}
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The rank's RNG streams: its CUDA generator is its own device's only (another rank's GPU
+    is not this rank's to touch, nor to put a context on)."""
     np_state = np.random.get_state(legacy=False)
     np_state["state"]["key"] = np_state["state"]["key"].tolist()
     return {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []}
+            "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
 
 
-def set_rng_state(s: dict[str, Any]) -> None:
+def set_rng_state(s: dict[str, Any], device: torch.device) -> None:
     random.setstate(s["python"])
     np_state = dict(s["numpy"], state=dict(s["numpy"]["state"]))
     np_state["state"]["key"] = np.array(np_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(np_state)
     torch.set_rng_state(s["torch"])
-    if s["cuda"]:
-        torch.cuda.set_rng_state_all(s["cuda"])
+    if s["cuda"] and device.type == "cuda":
+        torch.cuda.set_rng_state(s["cuda"][0], device)
 
 
 def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[str, Any] | None:
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
-    mine = {"rng": rng_state(),
+    mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
     rank = dist.get_rank()
     ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
@@ -65,7 +68,8 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
         ranks = [mine]
     if rank != 0:
         return None
-    out = {name: obj.state_dict() for name, obj in components(p).items()}
+    # on the CPU: the checkpoint opens on a machine with other GPUs, or none
+    out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
@@ -81,5 +85,5 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)
-    set_rng_state(mine["rng"])  # last: nothing after it may draw
+    set_rng_state(mine["rng"], p.device)  # last: nothing after it may draw
     return state
