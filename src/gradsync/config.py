@@ -112,6 +112,30 @@ class AmpAwareSyncConfig(AccumulateSyncConfig):
     overflow_consensus: bool = True  # fp16 only: abort a window as soon as any rank overflows
 
 
+@dataclass
+class LocalSGDSyncConfig:
+    """Each rank steps on its own gradients; the models are averaged every `every` windows."""
+
+    name: str = "local_sgd"
+    every: int = 8  # windows between averagings (H)
+    warmup_steps: int = 0  # the first K windows run as exact accumulate (post-local SGD)
+    comm_dtype: str = "fp32"  # fp32 | bf16: the averaging all-reduce's dtype
+
+
+@dataclass
+class DiLoCoSyncConfig:
+    """The configured optimizer is the inner one; every `every` windows an outer SGD steps the
+    global weights on the mean pseudo-gradient (global - local)."""
+
+    name: str = "diloco"
+    every: int = 32
+    warmup_steps: int = 0
+    comm_dtype: str = "fp32"  # fp32 | bf16: the pseudo-gradient all-reduce's dtype
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+
+
 # --- precision --------------------------------------------------------------------------------
 @dataclass
 class PrecisionConfig:
@@ -230,7 +254,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "global_batch": GlobalBatchScheduleConfig,
     },
     "sync": {"always": SyncConfig, "accumulate": AccumulateSyncConfig,
-             "amp_aware": AmpAwareSyncConfig},
+             "amp_aware": AmpAwareSyncConfig, "local_sgd": LocalSGDSyncConfig,
+             "diloco": DiLoCoSyncConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": PrecisionConfig, "fp16": PrecisionConfig},
     "data": {"synthetic": SyntheticDataConfig, "digits": DigitsDataConfig,
              "synthetic_lm": SyntheticLMDataConfig},
@@ -293,6 +318,7 @@ def check_known_keys(cfg: dict[str, Any]) -> None:
 def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
     """Checks across keys that types alone cannot express. Raises ConfigError."""
     check_known_keys(cfg)
+    check_model_averaging(cfg["sync"])
     tr = cfg["trainer"]
     _require(tr["devices"] >= 1, "trainer.devices", "an integer >= 1", tr["devices"])
     _require(
@@ -404,6 +430,36 @@ def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
             raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not {prec!r}: only "
                               "its GradScaler catches an overflow of the fp16 all-reduce; "
                               "use bf16 or fp32")
+
+
+MODEL_AVERAGING = {"local_sgd": LocalSGDSyncConfig, "diloco": DiLoCoSyncConfig}
+
+
+def check_model_averaging(sync: dict[str, Any]) -> None:
+    """sync=local_sgd / diloco: their own options only (the gradient all-reduce's options,
+    PowerSGD and amp_aware's overflow consensus, have nothing to act on), in range."""
+    schema = MODEL_AVERAGING.get(sync["name"])
+    if schema is None:
+        return
+    own = [f.name for f in fields(schema)]
+    for key in sync:
+        if key not in own:
+            raise ConfigError(f"sync.{key} is not an option of sync={sync['name']} (its "
+                              f"gradients are never all-reduced after warm-up); its options: "
+                              f"{', '.join(own[1:])}")
+    _require(sync["every"] >= 1, "sync.every", "an integer >= 1 (windows between averagings)",
+             sync["every"])
+    _require(sync["warmup_steps"] >= 0, "sync.warmup_steps", "an integer >= 0",
+             sync["warmup_steps"])
+    _require(sync["comm_dtype"] in ("fp32", "bf16"), "sync.comm_dtype", "one of fp32, bf16",
+             sync["comm_dtype"])
+    if sync["name"] == "diloco":
+        _require(sync["outer_lr"] > 0, "sync.outer_lr", "a number > 0", sync["outer_lr"])
+        _require(0 <= sync["outer_momentum"] < 1, "sync.outer_momentum", "a number in [0, 1)",
+                 sync["outer_momentum"])
+        if sync["outer_nesterov"] and sync["outer_momentum"] == 0:
+            raise ConfigError("sync.outer_nesterov=true needs sync.outer_momentum > 0: set "
+                              "sync.outer_nesterov=false")
 
 
 def check_compression(cfg: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from gradsync.comm import InnerHook, allreduce_in
+from gradsync.comm import CommCounts, InnerHook, allreduce_in
 from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
 
@@ -28,6 +28,12 @@ class OverflowCounts:
 class SyncPolicy(Protocol):
     name: str
     overflow: OverflowCounts
+    # True: the policy synchronises the parameters itself (local SGD): its windows may step
+    # without a synchronising backward, and each rank's fp16 steps are its own
+    syncs_parameters: bool
+    # what after_window measured when it averaged: this rank's ||theta_r - theta_mean|| /
+    # ||theta_mean|| just before (None: it did not average)
+    replica_drift: float | None
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         """micro_index counts from 0 inside the current window of window_size micro-batches."""
@@ -52,12 +58,45 @@ class SyncPolicy(Protocol):
         """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
         ...
 
+    def start(self, model: torch.nn.Module, windows_done: int) -> None:
+        """On every rank before the first window of a fresh or resumed run (after restore)."""
+        ...
+
+    def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
+        """On every rank after each window's optimizer step, applied or skipped; windows_done
+        counts the windows run so far (the same on every rank)."""
+        ...
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """On every rank when training is done (not when stopped): the replicas become the
+        consensus model before the last checkpoint, the final evaluation and summary."""
+        ...
+
+    def replicas_in_sync(self) -> bool:
+        """True when every rank holds the same parameters (right after an averaging)."""
+        ...
+
 
 class PlainSync:
     """What a policy that neither changes the all-reduce nor looks at overflows answers."""
 
+    syncs_parameters = False
+    replica_drift = None
+
     def __init__(self) -> None:
         self.overflow = OverflowCounts()
+
+    def start(self, model: torch.nn.Module, windows_done: int) -> None:
+        pass
+
+    def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
+        pass
+
+    def finish(self, model: torch.nn.Module) -> None:
+        pass
+
+    def replicas_in_sync(self) -> bool:
+        return True  # gradients are all-reduced before every step
 
     def comm_hook(self) -> InnerHook:
         return allreduce_in(None)
@@ -157,8 +196,15 @@ POLICIES: dict[str, type] = {"always": AlwaysSync, "accumulate": AccumulateSync,
                              "amp_aware": AmpAwareSync}
 
 
-def build_policy(cfg: dict[str, Any], uses_scaler: bool = False) -> SyncPolicy:
-    """uses_scaler: the run trains in fp16 with a GradScaler (amp_aware then checks overflows)."""
+def build_policy(cfg: dict[str, Any], uses_scaler: bool = False,
+                 counts: CommCounts | None = None) -> SyncPolicy:
+    """uses_scaler: the run trains in fp16 with a GradScaler (amp_aware then checks overflows);
+    counts: the run's communication counters (policies that all-reduce outside DDP add to them)."""
+    if cfg["name"] in ("local_sgd", "diloco"):
+        from gradsync.local_sgd import DiLoCo, LocalSGD  # it imports OverflowCounts from here
+
+        options = {k: v for k, v in cfg.items() if k != "name"}
+        return (LocalSGD if cfg["name"] == "local_sgd" else DiLoCo)(**options, counts=counts)
     psgd = (build_powersgd(cfg["powersgd_rank"], cfg["powersgd_start_step"])
             if cfg.get("compression", "none") == "powersgd" else None)
     if cfg["name"] == "amp_aware":

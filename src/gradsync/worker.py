@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint, trainstate
-from gradsync.comm import install_counting_hook
+from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.config import build_optimizer
 from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
 from gradsync.faults import PROCESS_FLAG, StopAgreement, record_failure, signal_name
@@ -70,19 +71,22 @@ def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.d
                                    tr["num_workers"])
     model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
+    precision = build_precision(cfg["precision"], device.type)
+    counts = CommCounts()
+    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None, counts=counts)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=tr["gradient_as_bucket_view"],
         bucket_cap_mb=tr["bucket_cap_mb"],
+        # replicas that train apart keep their own buffers until the policy averages them
+        forward_sync_buffers=not policy.syncs_parameters,
     )
-    precision = build_precision(cfg["precision"], device.type)
-    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
     inner = policy.comm_hook()
     allreduce = tr.get("allreduce", "auto")  # configs built by hand (tests) may lack it
     if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
         inner = over_shared_memory(inner, list(ddp.parameters()), allreduce)
-    counts = install_counting_hook(ddp, inner)
+    install_counting_hook(ddp, inner, counts)
     transport = "shared_memory" if inner.hook is shm_hook else "process_group"
     optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
     schedule = build_schedule(cfg["schedule"], world_size, micro)
@@ -202,8 +206,10 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
+    a = getattr(p.policy, "averaging", None)  # AveragingCounts of a policy that syncs params
     mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
-            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces,
+            None if a is None else asdict(a)]
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
@@ -234,7 +240,15 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.allreduce,
         "seed": cfg["seed"],
-    }
+    } | (averaging_summary([g[7] for g in gathered]) if a is not None else {})
+
+
+def averaging_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Local SGD / DiLoCo: averaging rounds, each rank's own skipped fp16 steps, and the largest
+    replica drift measured before an averaging on any rank."""
+    return {"averagings": per_rank[0]["averagings"],
+            "local_skipped_steps": [r["local_skipped_steps"] for r in per_rank],
+            "max_replica_drift": max(r["max_replica_drift"] for r in per_rank)}
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
