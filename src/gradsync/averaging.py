@@ -45,7 +45,7 @@ def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None, counts
 def float_state(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What a replica's state is made of: its parameters, and its floating-point buffers
     (running statistics; integer buffers such as BatchNorm's step counter are left alone)."""
-    params = [p for p in model.parameters()]
+    params: list[torch.Tensor] = list(model.parameters())
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     return params, buffers
 

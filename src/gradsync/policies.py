@@ -80,8 +80,8 @@ class SyncPolicy(Protocol):
 class PlainSync:
     """What a policy that neither changes the all-reduce nor looks at overflows answers."""
 
-    syncs_parameters = False
-    replica_drift = None
+    syncs_parameters: bool = False
+    replica_drift: float | None = None
 
     def __init__(self) -> None:
         self.overflow = OverflowCounts()
