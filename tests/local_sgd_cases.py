@@ -20,8 +20,8 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = -1) -> dict:
     """run_training, recording after each window (after its averaging, if any) and after
     finish(): (windows_done, averaged?, this rank's flat parameters). inf_rank's loss is
-    multiplied by inf during window inf_window (counted from 1): an fp16 overflow on that rank
-    only."""
+    multiplied by inf during window inf_window (counted from 1, resumed runs included): an fp16
+    overflow on that rank only."""
     build = worker.build_parts
     snaps: list[tuple] = []
     scales: list[float] = []
@@ -46,7 +46,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
             def poisoned(out, y):
                 loss = loss_fn(out, y)
-                return loss * float("inf") if len(snaps) + 1 == inf_window else loss
+                return loss * float("inf") if policy.windows + 1 == inf_window else loss
 
             p.loss_fn = poisoned
         return p

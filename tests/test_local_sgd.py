@@ -19,12 +19,12 @@ pytestmark = [pytest.mark.dist]
 
 # 104 samples, 2 ranks, micro 8: 7 micro-batches per rank and epoch (the last one 4 samples),
 # accum 2 -> windows 2,2,2,1; 3 epochs: 12 windows. MLP 8-16-2: 178 parameters, no buffers.
-BASE = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
-        "model.activation=tanh", "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9",
-        "lr_scheduler=none", "schedule.accum_steps=2", "trainer.max_epochs=3",
-        "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=5",
-        "trainer.checkpoint_every=0"]
+RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
+       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+       "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
+       "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
+       "trainer.log_every=5", "trainer.checkpoint_every=0"]
+BASE = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 WINDOWS, PARAMS = 12, 178
 # warm-up windows 1-2 exact, then averagings after windows 5, 8, 11 and at the end (12)
 LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2"]
@@ -156,3 +156,37 @@ def test_bad_options_are_one_line_config_errors(args, expected):
     with pytest.raises(ConfigError) as e:
         validate(cfg, cuda_available=False)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+# DiLoCo with AdamW inside, dropout (each rank its own masks), fp16 with rank 1's scaler backed
+# off at window 2: checkpoints every 2 windows, averagings every 3.
+RESUME = [*RUN, "optimizer=adamw", "optimizer.lr=0.01", "model.dropout=0.1", "precision=fp16",
+          "sync=diloco", "sync.every=3", "trainer.checkpoint_every=2",
+          "trainer.keep_checkpoints=50"]
+
+
+def test_resuming_between_two_averagings_ends_bitwise_like_the_uninterrupted_run(pool2,
+                                                                                  tmp_path):
+    from configs import SAME, losses
+    from gradsync import checkpoint
+
+    ref0, ref1 = pool2.run(local_sgd_cases.recorded_run, plain_cfg(RESUME),
+                           str(tmp_path / "ref"), 1, 2)
+    assert ref0["summary"]["local_skipped_steps"] == [0, 1]
+    ckpt = checkpoint.step_path(tmp_path / "ref" / "checkpoints", 4)
+    state = checkpoint.load(ckpt)  # weights_only=True
+    assert state["policy"]["in_sync"] is False and state["progress"]["windows"] == 4
+    own = [torch.cat([v.flatten() for v in r["own"]["model"].values()]) for r in state["ranks"]]
+    assert torch.equal(own[0], ref0["snaps"][3][2]) and torch.equal(own[1], ref1["snaps"][3][2])
+    assert torch.allclose(params(state), (own[0] + own[1]) / 2)  # the deployable mean
+    assert state["ranks"][1]["own"]["grad_scaler"]["scale"] == \
+        state["ranks"][0]["own"]["grad_scaler"]["scale"] / 2
+    assert state["policy"]["outer"]["state"]  # Nesterov momentum after the averaging at 3
+
+    out0, _ = pool2.run(local_sgd_cases.recorded_run, plain_cfg([*RESUME, f"resume={ckpt}"]),
+                        str(tmp_path / "resumed"))
+    assert losses(out0["rows"]) == losses(ref0["rows"])[4:]
+    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
+    assert {k: out0["summary"][k] for k in keys} == {k: ref0["summary"][k] for k in keys}
+    for name, value in ref0["ckpt"]["model"].items():
+        assert torch.equal(out0["ckpt"]["model"][name], value), name
