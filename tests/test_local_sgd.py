@@ -190,3 +190,59 @@ def test_resuming_between_two_averagings_ends_bitwise_like_the_uninterrupted_run
     assert {k: out0["summary"][k] for k in keys} == {k: ref0["summary"][k] for k in keys}
     for name, value in ref0["ckpt"]["model"].items():
         assert torch.equal(out0["ckpt"]["model"][name], value), name
+
+
+@pytest.mark.slow
+def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(
+        pool2, tmp_path, cli_env):
+    """The real command line: the job and its workers die by SIGKILL after the checkpoint of
+    window 6 (averagings every 7 windows), resume=auto continues from the newest checkpoint."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from configs import SAME, losses
+    from gradsync import checkpoint
+
+    args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=8", "trainer.log_every=1000",
+            "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3", "seed=3"]
+    ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
+    run_dir = tmp_path / "run"
+
+    def job(*extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *args, *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env,
+            start_new_session=True)
+
+    first = job()
+    try:
+        end = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step_00000006.json").exists():
+            assert first.poll() is None and time.monotonic() < end, first.communicate()
+            time.sleep(0.005)
+        os.killpg(first.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    newest = checkpoint.complete(run_dir / "checkpoints")[0]
+    start = checkpoint.load(newest)
+    windows = start["progress"]["windows"]
+    assert 6 <= windows < 32 and windows % 7 and start["policy"]["in_sync"] is False
+    resumed = job("resume=auto")
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert json.loads((run_dir / "run_info.json").read_text())["resumed_from"] == str(newest)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses(rows) == losses(ref["rows"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
+    assert {k: summary[k] for k in keys} == {k: ref["summary"][k] for k in keys}
+    final = checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+    for name, value in ref["params"].items():
+        assert torch.equal(final[name], value), name
