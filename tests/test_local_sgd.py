@@ -61,6 +61,7 @@ def test_drift_is_logged_at_every_averaging_and_its_max_in_the_summary(local):
     drift = {r["window"]: r["replica_drift"] for r in r0["rows"] if "replica_drift" in r}
     assert set(drift) == {5, 8, 11, 12}  # the final averaging's drift in the last row
     assert all(0 < d < 1 for d in drift.values())
+    print(f"replica drift before each averaging: {drift}")
     assert r0["summary"]["max_replica_drift"] == max(drift.values())
     assert r0["summary"]["averagings"] == 4
     assert r0["summary"]["optimizer_steps"] == r0["summary"]["windows"] == WINDOWS
@@ -92,6 +93,7 @@ def test_local_sgd_every_1_with_sgd_momentum_trains_accumulates_parameters(local
     a, b = torch.cat([v.flatten() for v in exact["params"].values()]), \
         torch.cat([v.flatten() for v in h1["params"].values()])
     gap = (a - b).abs().max().item()
+    print(f"local_sgd H=1 vs accumulate: max |param difference| {gap:.3g}")
     assert gap < 1e-6, gap  # float rounding only
     assert h1["summary"]["averagings"] == WINDOWS and h1["summary"]["sync_backwards"] == [0, 0]
     assert exact["summary"]["final_train_loss"] == pytest.approx(

@@ -43,6 +43,18 @@ def rank_counters(p: Parts) -> dict[str, Any]:
 OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
 
 
+def to_cpu(tree: Any) -> Any:
+    """Tensors of a state dict copied to the CPU (gathered to rank 0 as pickles: a CUDA tensor
+    would be rebuilt on the sending rank's device inside rank 0's process)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
 def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """The rank-averaged weights (float tensors; others as rank 0 holds them)."""
     models = [o["model"] for o in own]
@@ -73,7 +85,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
     if p.policy.syncs_parameters:
         parts = components(p)
-        mine["own"] = {k: parts[k].state_dict() for k in OWN if k in parts}
+        mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     rank = dist.get_rank()
     ranks: list[Any] | None = [None] * p.world_size if rank == 0 else None
     if p.world_size > 1:
