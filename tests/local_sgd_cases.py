@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import checkpoint, worker
+from gradsync.settings import RunConfig
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -28,7 +29,8 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
     def recording(*args, **kw):
         p = build(*args, **kw)
-        policy, after_window, finish = p.policy, p.policy.after_window, p.policy.finish
+        policy = p.policy.impl  # the LocalSGD / DiLoCo object the loop reaches through Policy
+        after_window, finish = policy.after_window, policy.finish
 
         def after(model, windows_done):
             after_window(model, windows_done)
@@ -42,18 +44,20 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
         policy.after_window, policy.finish = after, done
         if dist.get_rank() == inf_rank:
-            loss_fn = p.loss_fn
+            loss = p.loss
 
             def poisoned(out, y):
-                loss = loss_fn(out, y)
-                return loss * float("inf") if policy.windows + 1 == inf_window else loss
+                sums, counts = loss(out, y)
+                if policy.windows + 1 == inf_window:
+                    sums = sums * float("inf")
+                return sums, counts
 
-            p.loss_fn = poisoned
+            p.loss = poisoned
         return p
 
     worker.build_parts = recording
     try:
-        summary = worker.run_training(cfg, Path(run_dir))
+        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
     finally:
         worker.build_parts = build
     out: dict = {"summary": summary, "snaps": snaps, "scales": scales}

@@ -50,7 +50,7 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
     policy they are named after (the full rows are too heavy for a test: make bench)."""
     import importlib.util
 
-    from gradsync.policies import build_policy
+    from gradsync.components import build
 
     sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
@@ -64,5 +64,5 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
         module, _, kwargs = harness.VARIANTS[name]
         assert module == "gradsync_runs" and name in harness.SELF_COUNTING
         cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
-        built = build_policy(cfg["sync"])
+        built = build(cfg["sync"])
         assert (built.name, built.every, built.syncs_parameters) == (policy, 8, True)

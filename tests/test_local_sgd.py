@@ -139,16 +139,17 @@ BAD = [
     (["sync=diloco", "sync.every=-2"], "sync.every=-2 is not allowed"),
     (["sync=local_sgd", "sync.warmup_steps=-1"], "sync.warmup_steps=-1 is not allowed"),
     (["sync=local_sgd", "+sync.compression=powersgd"],
-     "sync.compression is not an option of sync=local_sgd"),
-    (["sync=diloco", "+sync.powersgd_rank=2"], "sync.powersgd_rank is not an option of "
-     "sync=diloco"),
+     "sync.compression: unknown key for gradsync.local_sgd.LocalSGD; accepted keys: comm_dtype, "
+     "every, warmup_steps"),
+    (["sync=diloco", "+sync.powersgd_rank=2"], "sync.powersgd_rank: unknown key for "
+     "gradsync.local_sgd.DiLoCo"),
     (["sync=local_sgd", "+sync.overflow_consensus=true"],
-     "sync.overflow_consensus is not an option of sync=local_sgd"),
+     "sync.overflow_consensus: unknown key for gradsync.local_sgd.LocalSGD"),
     (["sync=local_sgd", "sync.comm_dtype=fp16"], "sync.comm_dtype='fp16' is not allowed: one "
      "of fp32, bf16"),
     (["sync=diloco", "sync.outer_momentum=0"], "sync.outer_nesterov=true needs "
      "sync.outer_momentum > 0"),
-    (["sync=diloco", "sync.outer_lr=0"], "sync.outer_lr=0.0 is not allowed: a number > 0"),
+    (["sync=diloco", "sync.outer_lr=0"], "sync.outer_lr=0 is not allowed: a number > 0"),
 ]
 
 
@@ -209,7 +210,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     from configs import SAME, losses
     from gradsync import checkpoint
 
-    args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=8", "trainer.log_every=1000",
+    args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=5", "trainer.log_every=1000",
             "trainer.checkpoint_every=3", "trainer.keep_checkpoints=3", "seed=3"]
     ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
     run_dir = tmp_path / "run"
@@ -235,7 +236,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     newest = checkpoint.complete(run_dir / "checkpoints")[0]
     start = checkpoint.load(newest)
     windows = start["progress"]["windows"]
-    assert 6 <= windows < 32 and windows % 7 and start["policy"]["in_sync"] is False
+    assert 6 <= windows < 20 and windows % 7 and start["policy"]["in_sync"] is False
     resumed = job("resume=auto")
     _, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err

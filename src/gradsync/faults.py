@@ -115,3 +115,15 @@ def first_failure(store: Any) -> tuple[int, str] | None:
         return None
     rank, message = store.get(FIRST_FAILURE_KEY).decode().split("\n", 1)
     return int(rank), message
+
+
+def inject_failure(step: int, here: bool) -> Any:
+    """trainer.fail_at_step, a test aid: a hook (see loop.Parts.after_window) that raises on
+    this rank (here: the last rank) after optimizer step ``step``."""
+
+    def hook(p: Any, state: Any, stepped: bool) -> None:
+        if here and stepped and state.step == step:
+            raise RuntimeError(f"injected failure after optimizer step {step} "
+                               "(trainer.fail_at_step, a test aid)")
+
+    return hook

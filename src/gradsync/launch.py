@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradsync.faults import STOP_SIGNALS, first_failure, signal_name
+from gradsync.settings import RunConfig
 from gradsync.worker import worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
@@ -65,18 +66,6 @@ def adopt_submitit_ranks() -> None:
         # every task sees all of its node's GPUs and picks cuda:LOCAL_RANK (worker.py)
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                               overwrite=True)
-
-
-def job_rank() -> int:
-    """This process's global rank when an outside engine started the ranks, else 0. Asked while
-    Hydra sets a job up (before adopt_submitit_ranks ran), hence the look at submitit."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        import submitit
-
-        return int(submitit.JobEnvironment().global_rank)
-    return 0
 
 
 _job_store: dist.TCPStore | None = None
@@ -126,7 +115,7 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-def launch(cfg: dict[str, Any], run_dir: Path) -> None:
+def launch(cfg: RunConfig, run_dir: Path) -> None:
     if under_torchrun():
         rank = int(os.environ["RANK"])
         try:
@@ -134,8 +123,8 @@ def launch(cfg: dict[str, Any], run_dir: Path) -> None:
         except Exception as e:  # the traceback is in logs/rank<r>.log
             raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
         return
-    world = cfg["trainer"]["devices"]
-    timeout = timedelta(seconds=cfg["trainer"]["timeout_s"])
+    world = cfg.trainer.devices
+    timeout = timedelta(seconds=cfg.trainer.timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timeout)
     _standard_start_method()

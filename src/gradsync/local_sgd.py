@@ -22,11 +22,32 @@ from typing import Any
 import torch
 
 from gradsync.averaging import Anchor, plain_average
-from gradsync.comm import CommCounts, InnerHook, allreduce_in
-from gradsync.policies import OverflowCounts
+from gradsync.comm import CommCounts
+from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.precision import DTYPES
 
 COMM_DTYPES = ("fp32", "bf16")
+
+
+def _check_local_sgd(a: dict[str, Any], ctx: CheckContext) -> None:
+    """The gradient all-reduce's options (PowerSGD, amp_aware's overflow consensus) are not
+    parameters of these policies: the signature check refuses them as unknown keys."""
+    require(isinstance(a["every"], int) and a["every"] >= 1, "sync.every",
+            "an integer >= 1 (windows between averagings)", a["every"])
+    require(isinstance(a["warmup_steps"], int) and a["warmup_steps"] >= 0, "sync.warmup_steps",
+            "an integer >= 0 (exact accumulate windows first)", a["warmup_steps"])
+    require(a["comm_dtype"] in COMM_DTYPES, "sync.comm_dtype", f"one of {', '.join(COMM_DTYPES)}",
+            a["comm_dtype"])
+
+
+def _check_diloco(a: dict[str, Any], ctx: CheckContext) -> None:
+    _check_local_sgd(a, ctx)
+    require(a["outer_lr"] > 0, "sync.outer_lr", "a number > 0", a["outer_lr"])
+    require(0 <= a["outer_momentum"] < 1, "sync.outer_momentum", "a number in [0, 1)",
+            a["outer_momentum"])
+    if a["outer_nesterov"] and a["outer_momentum"] == 0:
+        raise ConfigError("sync.outer_nesterov=true needs sync.outer_momentum > 0: set "
+                          "sync.outer_nesterov=false")
 
 
 @dataclass
@@ -91,37 +112,22 @@ class ModelAveraging:
 
     def __init__(self, name: str, every: int, warmup_steps: int, comm_dtype: str,
                  outer: MeanModel | OuterSGD, counts: CommCounts | None = None):
-        if every < 1:
-            raise ValueError(f"every={every}: an integer >= 1")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps}: an integer >= 0")
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype={comm_dtype!r}: one of {', '.join(COMM_DTYPES)}")
         self.name = name
         self.every, self.warmup = every, warmup_steps
         self.wire = DTYPES[comm_dtype]
         self.outer = outer
         self.counts = counts if counts is not None else CommCounts()
-        self.overflow = OverflowCounts()  # no consensus: stays zero
         self.averaging = AveragingCounts()
         self.windows = 0
         self.anchor: Anchor | None = None  # the global weights; None during warm-up
         self.in_sync = True
         self.replica_drift: float | None = None  # measured by the last after_window, if it averaged
 
-    # --- the loop's questions -----------------------------------------------------------------
-    def comm_hook(self) -> InnerHook:
-        return allreduce_in(None)  # warm-up windows: DDP's exact all-reduce
-
+    # --- the loop's questions (the warm-up all-reduces with DDP's exact default hook; no
+    # overflow consensus: each rank's GradScaler skips its own overflowing steps, as after
+    # warm-up no all-reduce makes the gradients, hence the flags, agree) ------------------------
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return self.windows < self.warmup and micro_index == window_size - 1
-
-    def window_doomed(self, ddp: Any, micro_index: int, window_size: int) -> bool:
-        return False
-
-    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        """None: each rank's GradScaler skips its own overflowing steps (after warm-up no
-        all-reduce makes the gradients, hence the flags, agree; the schedule does not care)."""
 
     def after_step(self, stepped: bool) -> None:
         self.averaging.local_skipped_steps += not stepped
@@ -172,6 +178,7 @@ class ModelAveraging:
         self.outer.load_state_dict(state["outer"], self.anchor.params if self.anchor else [])
 
 
+@checks(_check_local_sgd)
 class LocalSGD(ModelAveraging):
     """sync=local_sgd: every `every` windows the replicas are replaced by their mean."""
 
@@ -180,6 +187,7 @@ class LocalSGD(ModelAveraging):
         super().__init__("local_sgd", every, warmup_steps, comm_dtype, MeanModel(), counts)
 
 
+@checks(_check_diloco)
 class DiLoCo(ModelAveraging):
     """sync=diloco: the configured optimizer is the inner one; every `every` windows an outer SGD
     (Nesterov momentum by default, as in the paper) steps the global weights on the mean
@@ -188,11 +196,5 @@ class DiLoCo(ModelAveraging):
     def __init__(self, every: int = 32, warmup_steps: int = 0, comm_dtype: str = "fp32",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer_nesterov: bool = True, counts: CommCounts | None = None):
-        if outer_lr <= 0:
-            raise ValueError(f"outer_lr={outer_lr}: a number > 0")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum={outer_momentum}: a number in [0, 1)")
-        if outer_nesterov and outer_momentum == 0:
-            raise ValueError("outer_nesterov=true needs outer_momentum > 0")
         super().__init__("diloco", every, warmup_steps, comm_dtype,
                          OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)

@@ -27,14 +27,14 @@ from gradsync.repro import config_hash
 def components(p: Parts) -> dict[str, Any]:
     candidates = {"model": p.ddp.module, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
-                  "policy": p.policy, "schedule": p.schedule}
+                  "policy": p.policy.impl, "schedule": p.schedule}
     return {k: v for k, v in candidates.items() if hasattr(v, "state_dict")}
 
 
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
     out = {"comm": p.counts, "overflow": p.policy.overflow}
-    averaging = getattr(p.policy, "averaging", None)  # policies that sync parameters
+    averaging = getattr(p.policy.impl, "averaging", None)  # policies that sync parameters
     return out if averaging is None else out | {"averaging": averaging}
 
 
@@ -87,8 +87,8 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
         parts = components(p)
         mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     rank = dist.get_rank()
-    ranks: list[Any] | None = [None] * p.world_size if rank == 0 else None
-    if p.world_size > 1:
+    ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
+    if p.s.world_size > 1:
         dist.gather_object(mine, ranks, dst=0, group=group)
     else:
         ranks = [mine]
@@ -98,7 +98,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     out = {name: obj.state_dict() for name, obj in components(p).items()}
     if p.policy.syncs_parameters and not p.policy.replicas_in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
-    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
+    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
 
