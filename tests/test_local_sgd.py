@@ -27,7 +27,10 @@ RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.i
 BASE = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 WINDOWS, PARAMS = 12, 178
 # warm-up windows 1-2 exact, then averagings after windows 5, 8, 11 and at the end (12)
-LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2"]
+# trainer.check_replicas=1: the cross-rank checksum runs whenever the policy says the replicas
+# are in sync (warm-up windows, right after each averaging) and stops the run if they are not
+LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2",
+         "trainer.check_replicas=1"]
 AVERAGED = {5, 8, 11, "finish"}
 
 
