@@ -34,7 +34,21 @@ def components(p: Parts) -> dict[str, Any]:
 
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
-    return {"comm": p.counts, "overflow": p.policy.overflow}
+    out = {"comm": p.counts, "overflow": p.policy.overflow}
+    averaging = getattr(p.policy.impl, "averaging", None)  # policies that sync parameters
+    return out if averaging is None else out | {"averaging": averaging}
+
+
+# With a policy that syncs parameters each rank trains its own replica between averagings: these
+# components are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
+OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
+
+
+def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rank-averaged weights (float tensors; others as rank 0 holds them)."""
+    models = [o["model"] for o in own]
+    return {k: (torch.stack([m[k] for m in models]).mean(0).to(v.dtype)
+                if v.is_floating_point() else v) for k, v in models[0].items()}
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -60,6 +74,9 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
     mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
+    if p.policy.syncs_parameters:
+        parts = components(p)
+        mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     rank = dist.get_rank()
     ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
     if p.s.world_size > 1:
@@ -68,8 +85,11 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
         ranks = [mine]
     if rank != 0:
         return None
+    assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none
     out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
+    if p.policy.syncs_parameters and not p.policy.replicas_in_sync():
+        out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
@@ -82,6 +102,9 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
     known = {f.name for f in fields(Progress)}
     state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
     mine = ckpt["ranks"][rank]
+    parts = components(p)
+    for name, own in mine.get("own", {}).items():
+        parts[name].load_state_dict(own)  # this rank's replica, not the consensus
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)
