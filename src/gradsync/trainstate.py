@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from gradsync.devices import to_cpu
 from gradsync.loop import Parts, Progress
+from gradsync.ranks import is_rank0
 from gradsync.repro import config_hash
 
 
@@ -77,13 +78,13 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     if p.policy.syncs_parameters:
         parts = components(p)
         mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
-    rank = dist.get_rank()
-    ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
+    writer = is_rank0()  # gathers every rank's part and writes the file
+    ranks: list[Any] | None = [None] * p.s.world_size if writer else None
     if p.s.world_size > 1:
         dist.gather_object(mine, ranks, dst=0, group=group)
     else:
         ranks = [mine]
-    if rank != 0:
+    if not writer:
         return None
     assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none

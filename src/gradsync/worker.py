@@ -53,7 +53,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     to_file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     to_file.setFormatter(fmt)
     log.addHandler(to_file)
-    if rank == 0:
+    if rank == 0:  # before the process group exists: the rank the launcher gave this worker
         to_console = logging.StreamHandler(sys.stderr)
         to_console.setFormatter(fmt)
         to_console.addFilter(lambda record: not record.exc_info)  # tracebacks: file only
