@@ -222,6 +222,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
                         4, 0, 0.005)}
     assert targets["always"] == "AlwaysSync" and targets["amp_aware_bf16"] == "AmpAwareSync"
     assert targets["accumulate"] == targets["powersgd"] == "AccumulateSync"
+    assert (targets["local_sgd_h8"], targets["diloco_h16"]) == ("LocalSGD", "DiLoCo")
 
 
 @pytest.mark.slow

@@ -172,6 +172,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
+    "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
     "bytes_to_target": ("all-reduce MB to target", lambda v: f"{v / 1e6:.2f}"),
     "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),
