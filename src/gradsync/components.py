@@ -51,7 +51,7 @@ def describes(describe: Callable[..., dict[str, Any]]) -> Callable[[Any], Any]:
     run_info.json records of it (a corpus's digest and size, say). It must be cheap."""
 
     def attach(target: Any) -> Any:
-        target.describe = describe
+        target.run_info = describe
         return target
 
     return attach
@@ -220,7 +220,7 @@ def describe(node: dict[str, Any], runtime: Iterable[str] = (),
     with its configured arguments; runtime arguments are left out (the target's describe
     must not need them)."""
     target = locate(node["_target_"])
-    own = getattr(target, "describe", None)
+    own = getattr(target, "run_info", None)
     if own is None:
         return None
     args = {k: v for k, v in node.items() if k not in RESERVED and k not in set(extra)}
