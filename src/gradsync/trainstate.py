@@ -36,6 +36,23 @@ def rank_counters(p: Parts) -> dict[str, Any]:
     return {"comm": p.counts, "overflow": p.policy.overflow}
 
 
+# With a policy whose replicas differ between averagings (own_replicas: sync.groups with
+# `every`), these components are kept per rank (ranks[r]["own"]); the top-level ones are rank 0's.
+OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
+
+
+def to_cpu(tree: Any) -> Any:
+    """Tensors of a state dict copied to the CPU (gathered to rank 0 as pickles: a CUDA tensor
+    would be rebuilt on the sending rank's device inside rank 0's process)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state(legacy=False)
     np_state["state"]["key"] = np_state["state"]["key"].tolist()
@@ -57,6 +74,9 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
     mine = {"rng": rng_state(),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
+    if p.policy.own_replicas:
+        parts = components(p)
+        mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     rank = dist.get_rank()
     ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
     if p.s.world_size > 1:
@@ -78,6 +98,9 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
     known = {f.name for f in fields(Progress)}
     state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
     mine = ckpt["ranks"][rank]
+    parts = components(p)
+    for name, own in mine.get("own", {}).items():
+        parts[name].load_state_dict(own)  # this rank's replica, not rank 0's
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint, trainstate
-from gradsync.comm import install_counting_hook
+from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.components import build
 from gradsync.data import DataBundle, evaluate, train_loader
 from gradsync.faults import (
@@ -76,19 +76,23 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                    tr.num_workers)
     model = build(cfg.model, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
+    precision = build_precision(cfg.precision, device.type)
+    policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
+                                     "world_size": world_size}))
+    counts = CommCounts()
+    ignored = policy.bind(model, counts)
+    if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=tr.gradient_as_bucket_view,
         bucket_cap_mb=tr.bucket_cap_mb,
     )
-    precision = build_precision(cfg.precision, device.type)
-    policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
-                                     "world_size": world_size}))
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
         inner = over_shared_memory(inner, list(ddp.parameters()), tr.allreduce)
-    counts = install_counting_hook(ddp, inner)
+    install_counting_hook(ddp, inner, counts)
     transport = "shared_memory" if inner.hook is shm_hook else "process_group"
     optimizer = build(cfg.optimizer)(ddp.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro)
@@ -202,7 +206,7 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     c = p.counts
     o = p.policy.overflow
     mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
-            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces, c.groups]
     gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.s.max_epochs)})
@@ -233,7 +237,17 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.s.allreduce,
         "seed": cfg.seed,
-    }
+    } | group_summary([g[7] for g in gathered])
+
+
+def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """sync.groups: each group's all-reduce calls and bytes per rank (`rest`: the parameters
+    no rule matched)."""
+    if not per_rank[0]:
+        return {}
+    return {"allreduce_groups": {g: {"calls": [r[g][0] for r in per_rank],
+                                     "bytes": [r[g][1] for r in per_rank]}
+                                 for g in per_rank[0]}}
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
