@@ -1,0 +1,55 @@
+"""Functions the per-layer sync tests run on every rank of the pool (dist_pool.py): the worker's
+real run_training on the pool's gloo group, with this rank's parameters recorded after every
+window (after the policy's after_window: an averaging, if one was due) and after finish()."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from gradsync import checkpoint, worker
+from gradsync.settings import RunConfig
+
+
+def recorded_run(cfg: dict, run_dir: str) -> dict:
+    """run_training; snaps: [(windows_done or "finish", {name: this rank's parameter})]. Rank 0
+    also returns metrics.jsonl's rows and the last checkpoint's model."""
+    build = worker.build_parts
+    snaps: list[tuple] = []
+
+    def recording(*args, **kw):
+        p = build(*args, **kw)
+        after_window, finish = p.policy.after_window, p.policy.finish
+
+        def params() -> dict[str, torch.Tensor]:
+            return {n: q.detach().clone() for n, q in p.ddp.module.named_parameters()}
+
+        def after(model, windows_done):
+            after_window(model, windows_done)
+            snaps.append((windows_done, params()))
+
+        def done(model):
+            finish(model)
+            snaps.append(("finish", params()))
+
+        p.policy.after_window, p.policy.finish = after, done  # type: ignore[method-assign]
+        return p
+
+    worker.build_parts = recording
+    try:
+        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
+    finally:
+        worker.build_parts = build
+    out: dict = {"summary": summary, "snaps": snaps}
+    if torch.distributed.get_rank() == 0:
+        out["rows"] = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text()
+                       .splitlines()]
+        out["params"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
+        acc = EventAccumulator(str(Path(run_dir) / "tb"))
+        acc.Reload()
+        out["tb"] = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+                     for tag in acc.Tags()["scalars"] if tag.startswith("comm/")}
+    return out
