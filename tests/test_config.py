@@ -27,7 +27,8 @@ COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
               ("model", "transformer"): "data=synthetic_lm"}
 # what each built-in policy answers for the micro-batches of a window of 4
 SYNCS = {"always": [True] * 4, "accumulate": [False, False, False, True],
-         "amp_aware": [False, False, False, True]}
+         "amp_aware": [False, False, False, True],
+         "local_sgd": [False] * 4, "diloco": [False] * 4}  # no warm-up: every window local
 
 
 def options(group: str) -> list[str]:

@@ -174,7 +174,7 @@ def check_schedule(sched: dict[str, Any], world: int, micro: int) -> None:
 
 # What the worker passes each component itself (runtime arguments, never in the config).
 DATA_SIZES = ("in_dim", "out_dim", "vocab_size", "max_len")
-RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size"),
+RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size", "counts"),
            "optimizer": ("params",), "lr_scheduler": ("optimizer", "total_steps")}
 EXTRA = {"data": ("micro_batch_size",)}  # keys of a node that the loop reads, not the target
 

@@ -201,7 +201,7 @@ def describe(infos: list[ParamInfo], groups: Any, base: str) -> str:
 
 
 # --- at run time ------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class Averaged:
     rule: Rule
     params: list[nn.Parameter]
@@ -211,24 +211,25 @@ class LayerSync:
     """The groups of one run: which wire each DDP-synchronised gradient takes, which parameters
     DDP leaves alone and this averages every K windows. A part of accumulate and amp_aware."""
 
-    def __init__(self, groups: list[dict[str, Any]], base: torch.dtype | None):
+    def __init__(self, groups: list[dict[str, Any]], base: torch.dtype | None,
+                 counts: CommCounts):
         self.rules = parse_rules(groups)
         self.base = base
-        self.counts = CommCounts()
+        self.counts = counts  # the run's: the averagings are counted beside DDP's all-reduces
         self.synced: dict[int, tuple[str, torch.dtype | None]] = {}  # id(param) -> group, wire
         self.averaged: list[Averaged] = []
-        self.in_sync = True
+        self.windows = 0  # windows done at the last after_window
+        self.finished = False
 
     @property
     def averages(self) -> bool:
         return any(r.every is not None for r in self.rules)
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
+    def bind(self, model: nn.Module) -> list[str]:
         """Before DDP wraps the model: place every parameter; returns the names DDP must ignore
         (the averaged groups')."""
         named = dict(model.named_parameters())
         check_every_rule_matches(self.rules, list(named))
-        self.counts = counts
         taken = assign(self.rules, named)
         by_rule: dict[str, Averaged] = {}
         ignored = []
@@ -275,16 +276,26 @@ class LayerSync:
                          sent=lambda _, bucket: self.traffic(bucket).nbytes, traffic=self.traffic)
 
     # --- averaging the groups with `every` ----------------------------------------------------
+    def _due(self, averaged: bool) -> list[Averaged]:
+        """The groups whose schedule averaged (True) or did not average (False) after the last
+        window."""
+        return [a for a in self.averaged if (self.windows % (a.rule.every or 1) == 0) == averaged]
+
+    @property
+    def in_sync(self) -> bool:
+        """Every averaged group is the same on every rank now (a resumed run's first answer
+        comes after its first window)."""
+        return self.finished or not self._due(False)
+
     def after_window(self, windows_done: int) -> None:
-        due = [a for a in self.averaged if windows_done % (a.rule.every or 1) == 0]
-        self._average(due)
-        self.in_sync = len(due) == len(self.averaged)
+        self.windows, self.finished = windows_done, False
+        self._average(self._due(True))
 
     def finish(self) -> None:
-        """The run ends with every averaged group averaged: eval and checkpoint see the
-        consensus."""
-        self._average(self.averaged)
-        self.in_sync = True
+        """After the last window's after_window: the groups it did not average are averaged
+        now, so the final evaluation and checkpoint see the consensus."""
+        self._average(self._due(False))
+        self.finished = True
 
     def _average(self, due: list[Averaged]) -> None:
         for a in due:

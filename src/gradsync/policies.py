@@ -51,12 +51,14 @@ class SyncPolicy(Protocol):
     # overflow: OverflowCounts       counters of the overflow handling
     # own_replicas: bool             True: some parameters (and their optimizer state) differ
     #                                across ranks between averagings: checkpoints keep every
-    #                                rank's model and optimizer (sync.groups with `every`)
+    #                                rank's model and optimizer (sync.groups with `every`;
+    #                                implied by syncs_parameters)
+    # replica_drift: float | None    set by after_window/finish when they averaged: this rank's
+    #                                ||theta_r - theta_mean|| / ||theta_mean|| just before
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
+    def bind(self, model: nn.Module) -> list[str]:
         """Before DDP wraps the model: the names of parameters DDP must leave alone (neither
-        broadcast nor all-reduce them): the policy keeps them consistent itself. counts: the
-        run's communication counters, for the all-reduces the policy makes itself."""
+        broadcast nor all-reduce them): the policy keeps them consistent itself."""
         ...
 
     def comm_hook(self) -> InnerHook:
@@ -76,6 +78,10 @@ class SyncPolicy(Protocol):
 
     def after_step(self, stepped: bool) -> None:
         """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
+        ...
+
+    def start(self, model: nn.Module, windows_done: int) -> None:
+        """On every rank before the first window of a fresh or resumed run (after restore)."""
         ...
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
@@ -102,11 +108,11 @@ class Policy:
         self.name: str = getattr(impl, "name", type(impl).__name__)
         self.syncs_parameters = bool(getattr(impl, "syncs_parameters", False))
         self.overflow: OverflowCounts = getattr(impl, "overflow", None) or OverflowCounts()
-        self.own_replicas = bool(getattr(impl, "own_replicas", False))
+        self.own_replicas = self.syncs_parameters or bool(getattr(impl, "own_replicas", False))
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
+    def bind(self, model: nn.Module) -> list[str]:
         bind = getattr(self.impl, "bind", None)
-        return list(bind(model, counts)) if bind else []
+        return list(bind(model)) if bind else []
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return bool(self.impl.should_sync(micro_index, window_size))
@@ -130,6 +136,14 @@ class Policy:
     def after_step(self, stepped: bool) -> None:
         if hasattr(self.impl, "after_step"):
             self.impl.after_step(stepped)
+
+    def start(self, model: nn.Module, windows_done: int) -> None:
+        if hasattr(self.impl, "start"):
+            self.impl.start(model, windows_done)
+
+    @property
+    def replica_drift(self) -> float | None:
+        return getattr(self.impl, "replica_drift", None)
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         if hasattr(self.impl, "after_window"):
@@ -157,13 +171,14 @@ class Compression:
     on the wire and what the policy syncs itself."""
 
     def __init__(self, wire_dtype: torch.dtype | None = None, powersgd: PowerSGD | None = None,
-                 groups: list[dict[str, Any]] | None = None):
+                 groups: list[dict[str, Any]] | None = None, counts: CommCounts | None = None):
         self.wire_dtype, self.powersgd = wire_dtype, powersgd
-        self.layers = LayerSync(groups, wire_dtype) if groups else None
+        counts = counts if counts is not None else CommCounts()
+        self.layers = LayerSync(groups, wire_dtype, counts) if groups else None
         self.own_replicas = self.layers is not None and self.layers.averages
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
-        return self.layers.bind(model, counts) if self.layers else []
+    def bind(self, model: nn.Module) -> list[str]:
+        return self.layers.bind(model) if self.layers else []
 
     def after_window(self, windows_done: int) -> None:
         if self.layers:
@@ -189,9 +204,10 @@ class Compression:
 
 
 def make_wire(name: str, rank: int, start_step: int, wire_dtype: torch.dtype | None = None,
-              groups: list[dict[str, Any]] | None = None) -> Compression:
+              groups: list[dict[str, Any]] | None = None,
+              counts: CommCounts | None = None) -> Compression:
     return Compression(wire_dtype, build_powersgd(rank, start_step) if name == "powersgd"
-                       else None, groups)
+                       else None, groups, counts)
 
 
 def flag_agreement(wire: Compression, uses_scaler: bool) -> OverflowConsensus | None:
@@ -270,8 +286,9 @@ class AccumulateSync:
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: list[dict[str, Any]] | None = None,
-                 uses_scaler: bool = False):
-        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step, None, groups)
+                 uses_scaler: bool = False, counts: CommCounts | None = None):
+        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
+                              counts)
         self.own_replicas = self.wire.own_replicas
         self.agreement = flag_agreement(self.wire, uses_scaler)
         self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
@@ -289,8 +306,8 @@ class AccumulateSync:
         if self.agreement is not None:
             self.agreement.agree_on_overflow(found_inf)
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
-        return self.wire.bind(model, counts)
+    def bind(self, model: nn.Module) -> list[str]:
+        return self.wire.bind(model)
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         self.wire.after_window(windows_done)
@@ -326,9 +343,9 @@ class AmpAwareSync:
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: list[dict[str, Any]] | None = None,
-                 uses_scaler: bool = False):
+                 uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step,
-                              DTYPES[comm_dtype], groups)
+                              DTYPES[comm_dtype], groups, counts)
         self.own_replicas = self.wire.own_replicas
         self.consensus = OverflowConsensus() if overflow_consensus and uses_scaler else None
         self.agreement = self.consensus or flag_agreement(self.wire, uses_scaler)
@@ -352,8 +369,8 @@ class AmpAwareSync:
         if self.agreement is not None:
             self.agreement.agree_on_overflow(found_inf)
 
-    def bind(self, model: nn.Module, counts: CommCounts) -> list[str]:
-        return self.wire.bind(model, counts)
+    def bind(self, model: nn.Module) -> list[str]:
+        return self.wire.bind(model)
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         self.wire.after_window(windows_done)

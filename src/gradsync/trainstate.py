@@ -33,11 +33,14 @@ def components(p: Parts) -> dict[str, Any]:
 
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
-    return {"comm": p.counts, "overflow": p.policy.overflow}
+    out = {"comm": p.counts, "overflow": p.policy.overflow}
+    averaging = getattr(p.policy.impl, "averaging", None)  # policies that sync parameters
+    return out if averaging is None else out | {"averaging": averaging}
 
 
-# With a policy whose replicas differ between averagings (own_replicas: sync.groups with
-# `every`), these components are kept per rank (ranks[r]["own"]); the top-level ones are rank 0's.
+# With a policy whose replicas differ between averagings (own_replicas: one that syncs parameters,
+# or sync.groups with `every`) each rank trains its own replica, wholly or in part: these
+# components are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
 OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
 
 
@@ -51,6 +54,13 @@ def to_cpu(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(to_cpu(v) for v in tree)
     return tree
+
+
+def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rank-averaged weights (float tensors; others as rank 0 holds them)."""
+    models = [o["model"] for o in own]
+    return {k: (torch.stack([m[k] for m in models]).mean(0).to(v.dtype)
+                if v.is_floating_point() else v) for k, v in models[0].items()}
 
 
 def rng_state() -> dict[str, Any]:
@@ -85,7 +95,10 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
         ranks = [mine]
     if rank != 0:
         return None
+    assert ranks is not None
     out = {name: obj.state_dict() for name, obj in components(p).items()}
+    if p.policy.own_replicas and not p.policy.replicas_in_sync():
+        out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
@@ -100,7 +113,7 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
     mine = ckpt["ranks"][rank]
     parts = components(p)
     for name, own in mine.get("own", {}).items():
-        parts[name].load_state_dict(own)  # this rank's replica, not rank 0's
+        parts[name].load_state_dict(own)  # this rank's replica, not the consensus
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,10 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     model = build(cfg.model, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
     precision = build_precision(cfg.precision, device.type)
+    counts = CommCounts()  # DDP's all-reduces, and a policy's own (local SGD's averaging)
     policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
-                                     "world_size": world_size}))
-    counts = CommCounts()
-    ignored = policy.bind(model, counts)
+                                     "world_size": world_size, "counts": counts}))
+    ignored = policy.bind(model)
     if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
@@ -88,6 +89,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=tr.gradient_as_bucket_view,
         bucket_cap_mb=tr.bucket_cap_mb,
+        # replicas that train apart keep their own buffers until the policy averages them
+        forward_sync_buffers=not policy.syncs_parameters,
     )
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
@@ -205,8 +208,10 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
+    a = getattr(p.policy.impl, "averaging", None)  # AveragingCounts: local SGD, DiLoCo
     mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
-            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces, c.groups]
+            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces,
+            None if a is None else asdict(a), c.groups]
     gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.s.max_epochs)})
@@ -237,7 +242,8 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.s.allreduce,
         "seed": cfg.seed,
-    } | group_summary([g[7] for g in gathered])
+    } | (averaging_summary([g[7] for g in gathered]) if a is not None else {}) \
+      | group_summary([g[8] for g in gathered])
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
@@ -248,6 +254,14 @@ def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
     return {"allreduce_groups": {g: {"calls": [r[g][0] for r in per_rank],
                                      "bytes": [r[g][1] for r in per_rank]}
                                  for g in per_rank[0]}}
+
+
+def averaging_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Local SGD / DiLoCo: averaging rounds, each rank's own skipped fp16 steps, and the largest
+    replica drift measured before an averaging on any rank."""
+    return {"averagings": per_rank[0]["averagings"],
+            "local_skipped_steps": [r["local_skipped_steps"] for r in per_rank],
+            "max_replica_drift": max(r["max_replica_drift"] for r in per_rank)}
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
