@@ -229,3 +229,18 @@ def test_inspect_params_prints_every_parameter_and_its_rule_without_a_run(
     assert lines[-3:] == ["first: 2 tensors, 576 bytes", "rest: 1 tensors, 128 bytes",
                           "*.bias: 1 tensors, 8 bytes"]
     assert list(tmp_path.iterdir()) == []  # nothing trained, no run dir
+
+
+def test_the_sweep_summary_shows_each_jobs_bytes_and_loss_against_the_first():
+    from gradsync.sweep import _against_first
+
+    def row(job, nbytes, loss, status="completed"):
+        return {"job": job, "overrides": f"v={job}", "status": status,
+                "allreduce_bytes": nbytes, "final_train_loss": loss, "eval_loss": loss + 1}
+
+    rows = [row(0, 1000, 2.0), row(1, 0, 0.0, "failed"), row(2, 250, 2.5)]
+    assert _against_first(rows) == [
+        "Against job 0 (v=0):",
+        "- job 2: all-reduce bytes x0.250 (75.0 % saved), final train loss +0.5 (+25.00 %), "
+        "eval loss +0.5 (+16.67 %)"]
+    assert _against_first([row(0, 1000, 2.0), row(1, 1000, 2.1)]) == []  # same bytes: no line
