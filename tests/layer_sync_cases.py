@@ -4,24 +4,21 @@ window (after the policy's after_window: an averaging, if one was due) and after
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gradsync import checkpoint, worker
-from gradsync.settings import RunConfig
+import dist_cases
+from gradsync import checkpoint
 
 
 def recorded_run(cfg: dict, run_dir: str) -> dict:
     """run_training; snaps: [(windows_done or "finish", {name: this rank's parameter})]. Rank 0
     also returns metrics.jsonl's rows and the last checkpoint's model."""
-    build = worker.build_parts
     snaps: list[tuple] = []
 
-    def recording(*args, **kw):
-        p = build(*args, **kw)
+    def recording(p):
         after_window, finish = p.policy.after_window, p.policy.finish
 
         def params() -> dict[str, torch.Tensor]:
@@ -38,15 +35,10 @@ def recorded_run(cfg: dict, run_dir: str) -> dict:
         p.policy.after_window, p.policy.finish = after, done  # type: ignore[method-assign]
         return p
 
-    worker.build_parts = recording
-    try:
-        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
-    finally:
-        worker.build_parts = build
+    summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
     out: dict = {"summary": summary, "snaps": snaps}
     if torch.distributed.get_rank() == 0:
-        out["rows"] = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text()
-                       .splitlines()]
+        out["rows"] = rows
         out["params"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
         acc = EventAccumulator(str(Path(run_dir) / "tb"))
         acc.Reload()

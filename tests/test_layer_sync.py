@@ -7,16 +7,13 @@ averagings resumes bitwise; bad rules are one-line config errors; +inspect=param
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import layer_sync_cases
+from cli_jobs import kill_9_when, start_job
 from configs import SAME, losses, plain_cfg
 from gradsync import checkpoint
 from gradsync.config import ConfigError, validate
@@ -151,20 +148,8 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     """The real command line dies by SIGKILL (the job and its workers) after a checkpoint
     between two averagings; resume=auto in the run dir continues from it on the pool's ranks."""
     run_dir = tmp_path / "run"
-    job = subprocess.Popen([sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}",
-                            *EVERY_4], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=cli_env, start_new_session=True)
-    try:
-        end = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "step_00000003.json").exists():
-            assert job.poll() is None and time.monotonic() < end, job.communicate()
-            time.sleep(0.005)
-        os.killpg(job.pid, signal.SIGKILL)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
-    assert job.returncode == -signal.SIGKILL
+    kill_9_when(start_job(run_dir, EVERY_4, cli_env),
+                run_dir / "checkpoints" / "step_00000003.json")
     start = checkpoint.load(checkpoint.complete(run_dir / "checkpoints")[0])
     windows = start["progress"]["windows"]
     assert windows < WINDOWS and windows % 4, windows  # between two averagings

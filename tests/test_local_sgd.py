@@ -201,12 +201,8 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     """The real command line: the job and its workers die by SIGKILL after the checkpoint of
     window 6 (averagings every 7 windows), resume=auto continues from the newest checkpoint."""
     import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
+    from cli_jobs import kill_9_when, start_job
     from configs import SAME, losses
     from gradsync import checkpoint
 
@@ -215,29 +211,12 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
     run_dir = tmp_path / "run"
 
-    def job(*extra: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *args, *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env,
-            start_new_session=True)
-
-    first = job()
-    try:
-        end = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "step_00000006.json").exists():
-            assert first.poll() is None and time.monotonic() < end, first.communicate()
-            time.sleep(0.005)
-        os.killpg(first.pid, signal.SIGKILL)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-        first.communicate()
-    assert first.returncode == -signal.SIGKILL
+    kill_9_when(start_job(run_dir, args, cli_env), run_dir / "checkpoints" / "step_00000006.json")
     newest = checkpoint.complete(run_dir / "checkpoints")[0]
     start = checkpoint.load(newest)
     windows = start["progress"]["windows"]
     assert 6 <= windows < 20 and windows % 7 and start["policy"]["in_sync"] is False
-    resumed = job("resume=auto")
+    resumed = start_job(run_dir, [*args, "resume=auto"], cli_env)
     _, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
     assert json.loads((run_dir / "run_info.json").read_text())["resumed_from"] == str(newest)

@@ -180,11 +180,11 @@ class Compression:
     def bind(self, model: nn.Module) -> list[str]:
         return self.layers.bind(model) if self.layers else []
 
-    def after_window(self, windows_done: int) -> None:
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
         if self.layers:
             self.layers.after_window(windows_done)
 
-    def finish(self) -> None:
+    def finish(self, model: nn.Module) -> None:
         if self.layers:
             self.layers.finish()
 
@@ -208,6 +208,17 @@ def make_wire(name: str, rank: int, start_step: int, wire_dtype: torch.dtype | N
               counts: CommCounts | None = None) -> Compression:
     return Compression(wire_dtype, build_powersgd(rank, start_step) if name == "powersgd"
                        else None, groups, counts)
+
+
+# The protocol members the wire answers for in accumulate and amp_aware (bound in __init__).
+WIRE_MEMBERS = ("comm_hook", "after_step", "bind", "after_window", "finish", "replicas_in_sync")
+
+
+def answer_with(policy: Any, part: Any, members: tuple[str, ...]) -> None:
+    """Composition without a delegating method per member: the policy's members are the
+    part's bound methods."""
+    for member in members:
+        setattr(policy, member, getattr(part, member))
 
 
 def flag_agreement(wire: Compression, uses_scaler: bool) -> OverflowConsensus | None:
@@ -289,6 +300,7 @@ class AccumulateSync:
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
                               counts)
+        answer_with(self, self.wire, WIRE_MEMBERS)
         self.own_replicas = self.wire.own_replicas
         self.agreement = flag_agreement(self.wire, uses_scaler)
         self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
@@ -296,27 +308,9 @@ class AccumulateSync:
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
 
-    def comm_hook(self) -> InnerHook:
-        return self.wire.comm_hook()
-
-    def after_step(self, stepped: bool) -> None:
-        self.wire.after_step(stepped)
-
     def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
         if self.agreement is not None:
             self.agreement.agree_on_overflow(found_inf)
-
-    def bind(self, model: nn.Module) -> list[str]:
-        return self.wire.bind(model)
-
-    def after_window(self, model: nn.Module, windows_done: int) -> None:
-        self.wire.after_window(windows_done)
-
-    def finish(self, model: nn.Module) -> None:
-        self.wire.finish()
-
-    def replicas_in_sync(self) -> bool:
-        return self.wire.replicas_in_sync()
 
 
 def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
@@ -346,6 +340,7 @@ class AmpAwareSync:
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step,
                               DTYPES[comm_dtype], groups, counts)
+        answer_with(self, self.wire, WIRE_MEMBERS)
         self.own_replicas = self.wire.own_replicas
         self.consensus = OverflowConsensus() if overflow_consensus and uses_scaler else None
         self.agreement = self.consensus or flag_agreement(self.wire, uses_scaler)
@@ -353,12 +348,6 @@ class AmpAwareSync:
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
-
-    def comm_hook(self) -> InnerHook:
-        return self.wire.comm_hook()
-
-    def after_step(self, stepped: bool) -> None:
-        self.wire.after_step(stepped)
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:
@@ -368,18 +357,6 @@ class AmpAwareSync:
     def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
         if self.agreement is not None:
             self.agreement.agree_on_overflow(found_inf)
-
-    def bind(self, model: nn.Module) -> list[str]:
-        return self.wire.bind(model)
-
-    def after_window(self, model: nn.Module, windows_done: int) -> None:
-        self.wire.after_window(windows_done)
-
-    def finish(self, model: nn.Module) -> None:
-        self.wire.finish()
-
-    def replicas_in_sync(self) -> bool:
-        return self.wire.replicas_in_sync()
 
 
 def sync_context(ddp: DistributedDataParallel, sync: bool):
