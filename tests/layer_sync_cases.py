@@ -13,13 +13,20 @@ import dist_cases
 from gradsync import checkpoint
 
 
-def recorded_run(cfg: dict, run_dir: str) -> dict:
+def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = -1,
+                 inf_param: str = "") -> dict:
     """run_training; snaps: [(windows_done or "finish", {name: this rank's parameter})]. Rank 0
-    also returns metrics.jsonl's rows and the last checkpoint's model."""
+    also returns metrics.jsonl's rows and the last checkpoint's model. On inf_rank the gradient
+    of inf_param becomes inf during window inf_window (from 1): an fp16 overflow in one
+    parameter on one rank only."""
     snaps: list[tuple] = []
 
     def recording(p):
         after_window, finish = p.policy.after_window, p.policy.finish
+        if torch.distributed.get_rank() == inf_rank:
+            param = dict(p.ddp.module.named_parameters())[inf_param]
+            param.register_hook(lambda g: g * float("inf") if len(snaps) + 1 == inf_window
+                                else g)
 
         def params() -> dict[str, torch.Tensor]:
             return {n: q.detach().clone() for n, q in p.ddp.module.named_parameters()}

@@ -142,6 +142,22 @@ def test_every_1_with_sgd_momentum_trains_what_no_rules_train_up_to_rounding(
     assert groups_of(every_1[0])["0.*"] == ([WINDOWS] * 2, [WINDOWS * FIRST * 4] * 2)
 
 
+def test_fp16_an_overflow_in_an_every_group_on_one_rank_skips_the_step_on_both(
+        pool2, tmp_path):
+    """The averaged group's gradients are each rank's own: rank 1 alone finds an inf in them.
+    Its GradScaler flags are MAX all-reduced, so rank 0 skips window 2 too and the all-reduced
+    layer stays bitwise equal on both ranks (a step on one rank only would tear it apart)."""
+    cfg = plain_cfg([*RUN, groups('params: "0.*", every: 4'), "precision=fp16"])
+    r0, r1 = pool2.run(layer_sync_cases.recorded_run, cfg, str(tmp_path), 1, 2, "0.weight")
+    s = r0["summary"]
+    assert s["amp_skipped_steps"] == 1 and s["optimizer_steps"] == WINDOWS - 1
+    assert s["overflow_flag_allreduces"] == [WINDOWS, WINDOWS]  # one per window
+    for (w, a), (_, b) in zip(r0["snaps"], r1["snaps"], strict=True):
+        assert torch.equal(a["2.weight"], b["2.weight"]), w
+    for r in (r0, r1):  # window 2 moved nothing on either rank
+        assert torch.equal(r["snaps"][0][1]["0.weight"], r["snaps"][1][1]["0.weight"])
+
+
 @pytest.mark.slow
 def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(
         every_4, pool2, tmp_path, cli_env):
