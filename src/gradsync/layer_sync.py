@@ -33,6 +33,8 @@ from gradsync.components import CheckContext, ConfigError, build, require
 from gradsync.precision import DTYPES
 
 REST = "rest"  # the parameters no rule matches
+# sync.groups as a policy receives it (a list from the config; the signature's default is ())
+Rules = list[dict[str, Any]] | tuple[dict[str, Any], ...]
 RULE_KEYS = ("params", "comm_dtype", "every", "name")
 SHOWN_NAMES = 24  # parameter names an error lists at most (closest first)
 
@@ -211,7 +213,7 @@ class LayerSync:
     """The groups of one run: which wire each DDP-synchronised gradient takes, which parameters
     DDP leaves alone and this averages every K windows. A part of accumulate and amp_aware."""
 
-    def __init__(self, groups: list[dict[str, Any]], base: torch.dtype | None,
+    def __init__(self, groups: Rules, base: torch.dtype | None,
                  counts: CommCounts):
         self.rules = parse_rules(groups)
         self.base = base

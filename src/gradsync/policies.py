@@ -23,7 +23,7 @@ from torch.nn.utils import get_total_norm
 
 from gradsync.comm import CommCounts, InnerHook, allreduce_in
 from gradsync.components import CheckContext, ConfigError, checks, require
-from gradsync.layer_sync import LayerSync, check_groups
+from gradsync.layer_sync import LayerSync, Rules, check_groups
 from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
 
@@ -171,7 +171,7 @@ class Compression:
     on the wire and what the policy syncs itself."""
 
     def __init__(self, wire_dtype: torch.dtype | None = None, powersgd: PowerSGD | None = None,
-                 groups: list[dict[str, Any]] | None = None, counts: CommCounts | None = None):
+                 groups: Rules = (), counts: CommCounts | None = None):
         self.wire_dtype, self.powersgd = wire_dtype, powersgd
         counts = counts if counts is not None else CommCounts()
         self.layers = LayerSync(groups, wire_dtype, counts) if groups else None
@@ -204,7 +204,7 @@ class Compression:
 
 
 def make_wire(name: str, rank: int, start_step: int, wire_dtype: torch.dtype | None = None,
-              groups: list[dict[str, Any]] | None = None,
+              groups: Rules = (),
               counts: CommCounts | None = None) -> Compression:
     return Compression(wire_dtype, build_powersgd(rank, start_step) if name == "powersgd"
                        else None, groups, counts)
@@ -296,7 +296,7 @@ class AccumulateSync:
     name = "accumulate"
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10, groups: list[dict[str, Any]] | None = None,
+                 powersgd_start_step: int = 10, groups: Rules = (),
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
                               counts)
@@ -336,7 +336,7 @@ class AmpAwareSync:
 
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10, groups: list[dict[str, Any]] | None = None,
+                 powersgd_start_step: int = 10, groups: Rules = (),
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step,
                               DTYPES[comm_dtype], groups, counts)
