@@ -22,7 +22,7 @@ from gradsync import checkpoint
 from gradsync.config import validate
 from gradsync.policies import Policy
 
-TINY = ["data=synthetic", "data.num_samples=96", "data.eval_samples=16", "data.in_dim=4",
+TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
@@ -66,12 +66,11 @@ def test_check_replicas_names_the_parameter_that_drifted(pool2, tmp_path):
                          "RuntimeError")
     assert messages == ["replicas differ after optimizer step 3: parameter '0.weight' on rank 1 "
                         "is not rank 0's (trainer.check_replicas)"] * 2
-    # the same run without the corruption passes every check (3 steps, one per window; the
-    # corruption above came after the last window: after_window runs for every window)
+    # the same run without the corruption passes every check (6 steps, one per window)
     fine = with_policy("components_for_tests.CorruptRank1After", ["trainer.check_replicas=1"],
                        window=10**6)
     r0, _ = pool2.run(dist_cases.train_run, fine, str(tmp_path / "good"))
-    assert r0["summary"]["optimizer_steps"] == 3
+    assert r0["summary"]["optimizer_steps"] == 6
 
 
 def cli(args: list[str], cwd: Path, env: dict, exe: str | None = None):
@@ -91,7 +90,7 @@ def test_the_example_project_runs_from_its_own_directory(tmp_path, cli_env):
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("gradsync: config error: sync.warmup_windows=-1 is not "
                                       "allowed: an integer >= 0")
-    assert not (project / "out").exists()
+    assert not (project / "out" / "refused").exists()
     done = cli(["--config-dir", "conf", "experiment=cnn", "trainer.max_steps=5",
                 "sync.warmup_windows=2", "schedule.accum_steps=3", "trainer.progress_bar=false",
                 "trainer.threads_per_worker=1", "hydra.run.dir=out/run"], project, cli_env)

@@ -197,7 +197,7 @@ BAD = [
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
-    (["model._target_=components_for_tests.CheckDividesByZero"],
+    (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
     (["data.test_fraction=1.5"], "data.test_fraction=1.5 is not allowed: a number in (0, 1)"),
 ]

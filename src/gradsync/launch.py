@@ -26,8 +26,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import STOP_SIGNALS, first_failure, signal_name
+from gradsync.faults import first_failure, signal_name
 from gradsync.settings import RunConfig
+from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.worker import worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
@@ -130,7 +131,7 @@ def launch(cfg: RunConfig, run_dir: Path) -> None:
     _standard_start_method()
     watch = Watch()
     watching = threading.current_thread() is threading.main_thread()  # signals: main only
-    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
+    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in watched_signals()}
                 if watching else {})
     try:
         # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
@@ -163,10 +164,16 @@ class Watch:
             self.signum = signum
             print(f"gradsync: {signal_name(signum)}: finishing the optimizer step, then "
                   "checkpointing (send it again to abort)", file=sys.stderr, flush=True)
-            self._send(signal.SIGTERM)
+            self._send(self.forwarded)
         else:
             self.aborted = True
             self._kill_all()
+
+    @property
+    def forwarded(self) -> int:
+        """What the workers get: SIGTERM, or SLURM's preemption warning as it came (they
+        record it, and the job then requeues itself)."""
+        return self.signum if self.signum in PREEMPT_SIGNALS else signal.SIGTERM
 
     def _send(self, signum: int) -> None:
         for proc in self.procs:
@@ -185,7 +192,7 @@ class Watch:
     def supervise(self, ctx: Any, store: Any) -> None:
         self.procs = ctx.processes
         if self.signum:  # arrived while the workers were being started
-            self._send(signal.SIGTERM)
+            self._send(self.forwarded)
         failed_at = None
         while True:
             for rank, proc in enumerate(self.procs):

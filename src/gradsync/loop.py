@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.comm import CommCounts
 from gradsync.data import epoch_batches
+from gradsync.devices import peak_memory_mb
 from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
 from gradsync.normalize import Normalizer
@@ -152,15 +153,16 @@ def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
     return norm.window_loss(total)
 
 
-def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
-    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
+def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None]:
+    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm);
+    the norm stays a tensor (on a GPU: no wait for it) until a logging step reads it."""
     p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
     p.normalizer.before_step(p.ddp.parameters())
     norm = None
     if p.s.clip_grad_norm > 0:
-        norm = float(clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm))
+        norm = clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm)
     elif want_norm:
-        norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
+        norm = get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None])
     stepped = p.precision.step(p.optimizer)
     p.policy.after_step(stepped)
     # a policy that syncs parameters lets each rank's GradScaler skip its own step: the window
@@ -201,9 +203,10 @@ class StepLog:
         self.rows.append(row)
         self.losses.append(local_loss)
 
-    def flush(self, state: Progress, grad_norm: float | None) -> None:
+    def flush(self, state: Progress, norm: torch.Tensor | None) -> None:
         if not self.rows:
             return
+        grad_norm = None if norm is None else float(norm)
         losses = torch.stack(self.losses).double()
         if self.p.s.world_size > 1:
             dist.all_reduce(losses)
@@ -229,6 +232,8 @@ class StepLog:
         } | {f"comm/bytes/{g}": nbytes for g, (_, nbytes) in c.groups.items()}
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
+        if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json
+            scalars["perf/peak_gpu_mem_mb"] = peak_memory_mb(self.p.device)
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
             scalars["amp/skipped_steps"] = state.skipped_steps

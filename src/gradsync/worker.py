@@ -21,6 +21,7 @@ from gradsync import checkpoint, trainstate
 from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.components import build
 from gradsync.data import DataBundle, evaluate, train_loader
+from gradsync.devices import cpu_threads, device_name, local_placement, peak_memory_mb, rank_device
 from gradsync.faults import (
     PROCESS_FLAG,
     StopAgreement,
@@ -34,10 +35,11 @@ from gradsync.normalize import build_normalizer
 from gradsync.policies import Policy
 from gradsync.precision import build_precision
 from gradsync.ranks import is_rank0
-from gradsync.repro import seed_everything, seed_rank, set_deterministic
+from gradsync.repro import prepare_cuda_determinism, seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
 from gradsync.settings import RunConfig
 from gradsync.shm_allreduce import over_shared_memory, shm_hook
+from gradsync.slurm import watched_signals
 
 log = logging.getLogger("gradsync")
 
@@ -51,7 +53,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     to_file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     to_file.setFormatter(fmt)
     log.addHandler(to_file)
-    if rank == 0:
+    if rank == 0:  # before the process group exists: the rank the launcher gave this worker
         to_console = logging.StreamHandler(sys.stderr)
         to_console.setFormatter(fmt)
         to_console.addFilter(lambda record: not record.exc_info)  # tracebacks: file only
@@ -74,7 +76,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     seed_everything(seed)  # the same on every rank and for every world size: model init
     data: DataBundle = build(cfg.data, {"seed": seed}, extra=("micro_batch_size",))
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
-                                   tr.num_workers)
+                                   tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
     precision = build_precision(cfg.precision, device.type)
@@ -126,12 +128,14 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     )
 
 
-def run_training(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """Train on the already initialised default process group; rank 0 writes the outputs.
-    Returns the summary (on every rank)."""
+def run_training(cfg: RunConfig, run_dir: Path,
+                 device: torch.device | None = None) -> dict[str, Any]:
+    """Train on the already initialised default process group (on `device`: by default the
+    CPU on gloo, else this env:// rank's GPU); rank 0 writes the outputs. Returns the summary
+    (on every rank)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    if device is None:
+        device = rank_device(dist.get_backend(), rank, world_size, spawned=False)
     p = build_parts(cfg, rank, world_size, device)
     tr = cfg.trainer
     # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
@@ -209,11 +213,18 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     c = p.counts
     o = p.policy.overflow
     a = getattr(p.policy.impl, "averaging", None)  # AveragingCounts: local SGD, DiLoCo
-    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
-            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces,
-            None if a is None else asdict(a), c.groups]
+    mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
+            "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
+            "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
+            "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
+            "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
+            "averaging": None if a is None else asdict(a), "groups": c.groups}
     gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
+
+    def per_rank(key: str) -> list[Any]:
+        return [g[key] for g in gathered]
+
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.s.max_epochs)})
     return {
         "optimizer_steps": state.step,
@@ -223,16 +234,19 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "eval": state.last_eval,
         "samples_per_s": state.samples_seen / state.train_s if state.train_s > 0 else 0.0,
         "train_s": state.train_s,
-        "sync_backwards": [g[0] for g in gathered],
-        "allreduce_calls": [g[1] for g in gathered],
-        "allreduce_bytes": [g[2] for g in gathered],
-        "peak_rss_mb": max(g[3] for g in gathered),
+        "sync_backwards": per_rank("sync_backwards"),
+        "allreduce_calls": per_rank("allreduce_calls"),
+        "allreduce_bytes": per_rank("allreduce_bytes"),
+        "peak_rss_mb": max(per_rank("peak_rss_mb")),
+        "peak_gpu_mem_mb": per_rank("peak_gpu_mem_mb") if p.device.type == "cuda" else None,
+        "threads": per_rank("threads"),
+        "device": gathered[0]["device"],
         "windows": state.windows,
         "amp_skipped_steps": state.skipped_steps,
         "amp_final_scale": p.precision.scale,
-        "amp_aborted_windows": [g[4] for g in gathered],
-        "allreduce_skipped": [g[5] for g in gathered],
-        "overflow_flag_allreduces": [g[6] for g in gathered],
+        "amp_aborted_windows": per_rank("amp_aborted_windows"),
+        "allreduce_skipped": per_rank("allreduce_skipped"),
+        "overflow_flag_allreduces": per_rank("overflow_flag_allreduces"),
         "world_size": p.s.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.s.micro_batch_size,
@@ -242,8 +256,8 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.s.allreduce,
         "seed": cfg.seed,
-    } | (averaging_summary([g[7] for g in gathered]) if a is not None else {}) \
-      | group_summary([g[8] for g in gathered])
+    } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
+      | group_summary(per_rank("groups"))
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
@@ -281,21 +295,25 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
 def worker_main(rank: int, world_size: int, cfg: RunConfig, run_dir: str,
                 store_port: int | None) -> None:
     """Entry point of one rank (spawned by the launcher, or the torchrun process itself)."""
-    PROCESS_FLAG.install()  # SIGTERM/SIGINT: finish the step, checkpoint, stop (faults.py)
+    # SIGTERM/SIGINT (and SLURM's SIGUSR1/2): finish the step, checkpoint, stop (faults.py)
+    PROCESS_FLAG.install(watched_signals())
     run_path = Path(run_dir)
     setup_logging(run_path, rank)
     tr = cfg.trainer
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    threads = tr.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world)
+    spawned = store_port is not None
+    threads = tr.threads_per_worker or cpu_threads(
+        local_placement(rank, world_size, spawned)[1])
     torch.set_num_threads(threads)
     backend = pick_backend(tr.backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = rank_device(backend, rank, world_size, spawned)
+    if device.type == "cuda":
+        prepare_cuda_determinism(tr.deterministic)  # before the first CUDA call
+        torch.cuda.set_device(device)  # this rank's context, on its own GPU only
     store = init_process_group(backend, rank, world_size, tr.timeout_s, store_port)
-    log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
-             os.getpid())
+    log.info("rank %d/%d up: backend=%s device=%s threads=%d pid=%d", rank, world_size, backend,
+             device, threads, os.getpid())
     try:
-        run_training(cfg, run_path)
+        run_training(cfg, run_path, device)
     except Exception as e:
         if store is not None:
             record_failure(store, rank, e)
