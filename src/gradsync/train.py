@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import shlex
 import signal
 import sys
 import time
@@ -33,6 +33,7 @@ from gradsync.config import (
     to_plain,
     validate,
 )
+from gradsync.faults import signal_name
 from gradsync.launch import (
     Interrupted,
     WorkerFailed,
@@ -44,6 +45,7 @@ from gradsync.launch import (
 )
 from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
 from gradsync.repro import run_info, write_run_info
+from gradsync.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.worker import pick_backend
 
 register_configs()
@@ -52,6 +54,8 @@ register_configs()
 OmegaConf.register_new_resolver("rank0_now", rank0_now, use_cache=True, replace=True)
 OmegaConf.register_new_resolver(
     "if_rank0", lambda value, other: value if job_rank() == 0 else other, replace=True)
+# Hydra's files go to a dir of this start's own until it is accepted (rundir.py)
+OmegaConf.register_new_resolver("hydra_staging", staging_name, replace=True)
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
 
 
@@ -69,34 +73,57 @@ def hydra_main(cfg: DictConfig) -> dict:
     adopt_submitit_ranks()
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    staged = run_dir / hc.output_subdir if hc.output_subdir else None
+    try:
+        # rank 0 holds the run dir; Hydra's files become its .hydra/ once the start is accepted
+        with Claim(run_dir, staged, lock=job_rank() == 0) as claim:
+            return _start(cfg, hc.mode, run_dir, claim)
+    except RunDirBusy as e:
+        return _fail(hc.mode, run_dir, "run dir in use", str(e), 2, record=False)
+
+
+def _start(cfg: DictConfig, mode: RunMode | None, run_dir: Path, claim: Claim) -> dict:
     try:
         plain = to_plain(cfg)
         validate(plain, torch.cuda.is_available())
-    except ConfigError as e:
-        if hc.mode == RunMode.RUN:
-            _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "config error", str(e), 2, record=_is_new(run_dir))
-    try:
         _resolve_resume(plain, run_dir)
-    except ResumeError as e:
-        if hc.mode == RunMode.RUN:
-            _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "resume refused", str(e), 2, record=_is_new(run_dir))
+    except (ConfigError, ResumeError) as e:
+        new = _is_new(run_dir)
+        if mode == RunMode.RUN:
+            remove_if_unused(run_dir)
+        elif new:
+            claim.accept()  # a sweep lists its failed job from the job's .hydra/
+        kind = "config error" if isinstance(e, ConfigError) else "resume refused"
+        return _fail(mode, run_dir, kind, str(e), 2, record=new)
+    claim.accept()
+    try:
+        return _train(plain, mode, run_dir)
+    except Exception as e:  # a full disk, say: reported as what it is, not as a config error
+        if FULL_ERROR:
+            raise
+        return _fail(mode, run_dir, "error", f"{type(e).__name__}: {e}", 1)
+
+
+def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
+    if job_rank() == 0:
+        _write_run_info(plain, run_dir)
     started = time.perf_counter()
     try:
-        launch(plain, run_dir)
+        signum = launch(plain, run_dir)
     except WorkerFailed as e:
-        return _fail(hc.mode, run_dir, "training failed", str(e), 1)
+        return _fail(mode, run_dir, "training failed", str(e), 1)
     except Interrupted as e:
         print(f"gradsync: {e}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
     if job_rank() != 0:
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
-    if summary["status"] == "interrupted":
-        _stopped(run_dir, summary)
+    if signum and summary["status"] == "interrupted":  # the workers got it as SIGTERM
+        summary["stopped_by"] = signal_name(signum)
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
+    if summary["status"] == "interrupted":
+        _stopped(run_dir, summary)
     write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
                   summary["optimizer_steps"])
     _report(run_dir, summary)
@@ -110,7 +137,10 @@ def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: in
     summary.json alone."""
     failed = {"status": "failed", "error": f"{kind}: {message}"}
     if record and run_dir.is_dir() and job_rank() == 0:
-        write_json_atomic(run_dir / "summary.json", failed)
+        try:
+            write_json_atomic(run_dir / "summary.json", failed)
+        except OSError:  # a full disk: the line below says what went wrong
+            pass
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
         sys.exit(code)
@@ -143,30 +173,32 @@ def _is_new(run_dir: Path) -> bool:
 
 
 def _resolve_resume(plain: dict, run_dir: Path) -> None:
-    """Pick the checkpoint to start from (refusing incompatible ones), hand the workers its
-    path in place of `resume`, and record run_info.json."""
+    """Pick the checkpoint to start from (refusing incompatible ones) and hand the workers its
+    path in place of `resume`."""
     notes: list[str] = []
-    world = resolve_world_size(plain)
     try:
-        path = resolve_resume(plain["resume"], run_dir, plain, world, notes)
+        path = resolve_resume(plain["resume"], run_dir, plain, resolve_world_size(plain), notes)
     finally:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
     plain["resume"] = str(path) if path else "none"
-    if job_rank() == 0:
-        if path:
-            print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
-                        world, str(path) if path else None)
-        write_run_info(run_dir / "run_info.json", info)
+    if path and job_rank() == 0:
+        print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
+
+
+def _write_run_info(plain: dict, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = None if plain["resume"] == "none" else plain["resume"]
+    info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
+                    resolve_world_size(plain), resumed)
+    write_run_info(run_dir / "run_info.json", info)
 
 
 def _stopped(run_dir: Path, s: dict) -> None:
     """A run stopped by SIGTERM/SIGINT after checkpointing: say where, and how to go on."""
     print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
           f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n"
-          f"  continue with: gradsync-train resume=auto hydra.run.dir={run_dir} "
+          f"  continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
           "(and the same overrides)", file=sys.stderr, flush=True)
     sys.exit(128 + signal.Signals[s["stopped_by"]])
 
@@ -178,14 +210,6 @@ def _report(run_dir: Path, s: dict) -> None:
           f"final_train_loss={s['final_train_loss']:.4f} {evals} "
           f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
           f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
-
-
-def _remove_if_only_hydra(run_dir: Path) -> None:
-    """A run refused for its config leaves no half-made dir behind (only Hydra's files)."""
-    hydra_files = run_dir.is_dir() and all(
-        p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
-    if hydra_files:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def one_line(exc: BaseException) -> str:
@@ -209,6 +233,7 @@ def one_line(exc: BaseException) -> str:
 
 
 MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
+FULL_ERROR = False  # the user asked for tracebacks (HYDRA_FULL_ERROR=1)
 
 
 def main() -> None:
@@ -221,15 +246,16 @@ def main() -> None:
         sys.exit(2)
     # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
     # we then print one line ourselves, or the traceback if the user asked for it.
-    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    global FULL_ERROR
+    FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
-    except Exception as e:
-        if user_wants_traceback:
+    except Exception as e:  # raised while Hydra composed the config
+        if FULL_ERROR:
             raise
         print(f"gradsync: config error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

@@ -20,7 +20,7 @@ from gradsync import checkpoint, trainstate
 from gradsync.comm import install_counting_hook
 from gradsync.config import build_optimizer
 from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
-from gradsync.faults import PROCESS_FLAG, StopAgreement, record_failure, signal_name
+from gradsync.faults import PROCESS_FLAG, StopAgreement, report_failure, signal_name
 from gradsync.loop import Parts, Progress, train
 from gradsync.lr_schedulers import build_lr_scheduler
 from gradsync.metrics import RunLog, peak_rss_mb
@@ -264,14 +264,13 @@ def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
     backend = pick_backend(tr["backend"])
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    store = init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
+    init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
     log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
              os.getpid())
     try:
         run_training(cfg, run_path)
     except Exception as e:
-        if store is not None:
-            record_failure(store, rank, e)
+        report_failure(e)  # to the launcher that spawned this rank (faults.py)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
         raise
     finally:
