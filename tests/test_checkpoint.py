@@ -133,7 +133,7 @@ def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(
         d = Path(sys.argv[1])
         for write in (lambda: metrics.write_json_atomic(d / "s.json", list(range(500))),
                       lambda: metrics.keep_rows_through(d / "m.jsonl", 80),
-                      lambda: checkpoint.save_atomic({"w": torch.zeros(1000)}, d / "c.pt")):
+                      lambda: checkpoint.save_atomic({"w": torch.zeros(10**5)}, d / "c.pt")):
             try:
                 write()
             except OSError as e:

@@ -37,10 +37,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(dir_fd)
 
 
+class _Writes:
+    """A file as torch.save sees it, keeping the OSError of a failed write: torch.save turns it
+    into a RuntimeError that has lost its cause ("unexpected pos 64 vs 0")."""
+
+    def __init__(self, f: Any):
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path, binary=True, tmp=path.with_name(f".{path.name}.tmp")) as f:
-        torch.save(obj, f)
+        writes = _Writes(f)
+        try:
+            torch.save(obj, writes)
+        except RuntimeError:
+            if writes.error is not None:  # a full disk, say: raised as what it is
+                raise writes.error from None
+            raise
     _fsync_dir(path.parent)
 
 
