@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -42,7 +42,8 @@ class _Writes:
     into a RuntimeError that has lost its cause ("unexpected pos 64 vs 0")."""
 
     def __init__(self, f: Any):
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -60,7 +61,7 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     with replacing(path, binary=True, tmp=path.with_name(f".{path.name}.tmp")) as f:
         writes = _Writes(f)
         try:
-            torch.save(obj, writes)
+            torch.save(obj, cast(IO[bytes], writes))
         except RuntimeError:
             if writes.error is not None:  # a full disk, say: raised as what it is
                 raise writes.error from None
