@@ -14,6 +14,7 @@ import torch.distributed as dist
 import workload as w
 from gradsync.loop import Progress, train
 from gradsync.metrics import RunLog
+from gradsync.settings import RunConfig
 from gradsync.worker import build_parts
 
 
@@ -42,15 +43,15 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
     cfg = config(accum, sync, list(overrides))
     w.init()
     rank = dist.get_rank()
-    p = build_parts(cfg, rank, w.WORLD, torch.device("cpu"))
+    p = build_parts(RunConfig.from_plain(cfg), rank, w.WORLD, torch.device("cpu"))
     p.evaluate = dict
     with tempfile.TemporaryDirectory() as tmp:
         log = RunLog(Path(tmp), active=rank == 0)
         state = Progress()
-        p.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
+        p.s.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
         train(p, state, log)
         state.epoch, state.epoch_step = 1, 0  # then all of epoch 1, timed
-        p.max_steps, p.max_epochs = -1, 2
+        p.s.max_steps, p.s.max_epochs = -1, 2
         calls, nbytes, steps = p.counts.allreduce_calls, p.counts.allreduce_bytes, state.step
         w.start_clock()
         train(p, state, log)

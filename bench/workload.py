@@ -28,17 +28,17 @@ MICRO = 32
 SAMPLES, IN_DIM, OUT_DIM, HIDDEN = 8192, 512, 512, [1024, 1024, 1024]
 LR, MOMENTUM = 0.01, 0.9
 WARMUP_MICRO = 16
-DATA_CFG = {"name": "synthetic", "micro_batch_size": MICRO, "num_samples": SAMPLES,
-            "eval_samples": 64, "in_dim": IN_DIM, "out_dim": OUT_DIM, "noise": 0.05}
+DATA_CFG = {"num_samples": SAMPLES, "eval_samples": 64, "in_dim": IN_DIM, "out_dim": OUT_DIM,
+            "noise": 0.05}
 
 
 def dataset() -> TensorDataset:
-    return synthetic(DATA_CFG, SEED).train
+    return synthetic(SEED, **DATA_CFG).train
 
 
 def model() -> torch.nn.Module:
     torch.manual_seed(SEED)
-    return MLP(IN_DIM, HIDDEN, OUT_DIM, "relu")
+    return MLP(IN_DIM, OUT_DIM, HIDDEN, "relu")
 
 
 def optimizer(params) -> torch.optim.Optimizer:

@@ -11,15 +11,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
+from dist_cases import policy as make_policy
 from dist_cases import tiny_model, window_data
 from gradsync.comm import install_counting_hook
-from gradsync.data import loss_sum
+from gradsync.data import mse_per_sample
 from gradsync.loop import Progress, optimizer_step, run_window, train
 from gradsync.metrics import RunLog
-from gradsync.normalize import SAMPLES
-from gradsync.policies import build_policy
+from gradsync.normalize import BySamples
 from gradsync.precision import Precision
 from gradsync.schedules import Window
+from gradsync.settings import RunConfig
 from gradsync.worker import build_parts
 
 MICRO = [3, 3, 3, 3]  # one window of four micro-batches per rank
@@ -33,12 +34,14 @@ def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
     """What optimizer_step asks of the loop's Parts, for a DDP model under fp16."""
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     precision = Precision("fp16", "cpu", init_scale=init_scale)
-    policy = build_policy(sync_cfg, uses_scaler=True)
-    counts = install_counting_hook(ddp, policy.comm_hook())
+    kwargs = {k: v for k, v in sync_cfg.items() if k != "name"}
+    built = make_policy(sync_cfg["name"], uses_scaler=True, **kwargs)
+    counts = install_counting_hook(ddp, built.comm_hook())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     return SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
-                           precision=precision, policy=policy, clip_grad_norm=0.0,
-                           normalizer=SAMPLES), counts
+                           precision=precision, policy=built,
+                           s=SimpleNamespace(clip_grad_norm=0.0),
+                           normalizer=BySamples(dist.get_world_size())), counts
 
 
 def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
@@ -66,10 +69,11 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
 
         def loss_fn(out, y, scales=scales):
             scales.append(precision.scale)
-            return loss_sum("regression", out, y)
+            return mse_per_sample(out, y)
 
-        run_window(ddp, batches(), Window(0, len(MICRO), sum(MICRO)), policy, precision, loss_fn,
-                   torch.device("cpu"))
+        n = sum(MICRO)
+        run_window(ddp, batches(), Window(0, len(MICRO), n, n, n * dist.get_world_size()), policy,
+                   precision, loss_fn, torch.device("cpu"), p.normalizer)
         syncs_before_step = counts.sync_backwards
         stepped, _ = optimizer_step(p, want_norm=False)
         windows.append({
@@ -86,7 +90,8 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
 def train_all_ranks(cfg: dict) -> dict:
     """The worker's real parts and loop (no outputs written): every rank reports its own
     parameters, counters, scale and LR-scheduler position."""
-    p = build_parts(cfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    p = build_parts(RunConfig.from_plain(cfg), dist.get_rank(), dist.get_world_size(),
+                    torch.device("cpu"))
     initial = _params(p.ddp.module)
     state = train(p, Progress(), RunLog(Path("."), active=False))
     return {"initial": initial, "params": _params(p.ddp.module), "step": state.step,
@@ -103,14 +108,14 @@ def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
     the window reaches 120000, finite on each rank, but not once cast to fp16 for the wire."""
     model = tiny_model()
     x, y = window_data(30, 1, [3])[0][0]  # the same data on every rank
-    (loss_sum("regression", model(x), y) / 12).backward()
+    (mse_per_sample(model(x), y)[0].sum() / 12).backward()
     biggest = max(q.grad.abs().max().item() for q in model.parameters())
     model.zero_grad(set_to_none=True)
     sync = {"name": "amp_aware", "comm_dtype": comm_dtype, "overflow_consensus": True}
     p, counts = _fp16_parts(sync, 30000.0 / biggest, model)
     initial = _params(model)
-    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12), p.policy, p.precision,
-               lambda out, t: loss_sum("regression", out, t), torch.device("cpu"))
+    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12, 12, 12 * dist.get_world_size()),
+               p.policy, p.precision, mse_per_sample, torch.device("cpu"), p.normalizer)
     scale_before = p.precision.scale
     stepped, _ = optimizer_step(p, want_norm=False)
     return {"stepped": stepped, "scale_before": scale_before, "scale_after": p.precision.scale,

@@ -11,13 +11,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint
 from gradsync.comm import install_counting_hook
-from gradsync.data import loss_sum, loss_units, pad_batch
+from gradsync.components import build
+from gradsync.data import mse_per_sample, pad_batch, token_loss_per_sample
 from gradsync.loop import run_window
 from gradsync.models import MLP, Transformer
-from gradsync.normalize import build_normalizer
-from gradsync.policies import build_policy
+from gradsync.normalize import BySamples, build_normalizer
+from gradsync.policies import Policy
 from gradsync.precision import Precision
 from gradsync.schedules import Window
+from gradsync.settings import RunConfig
 from gradsync.worker import run_training
 
 
@@ -28,9 +30,19 @@ def window_data(seed: int, world: int, micro_sizes: list[int], in_dim: int = 6, 
              for m in micro_sizes] for _ in range(world)]
 
 
+TARGETS = {"always": "gradsync.policies.AlwaysSync",
+           "accumulate": "gradsync.policies.AccumulateSync",
+           "amp_aware": "gradsync.policies.AmpAwareSync"}
+
+
+def policy(name: str, uses_scaler: bool = False, **kwargs) -> Policy:
+    """A built-in policy, built as the worker builds it from its config node."""
+    return Policy(build({"_target_": TARGETS[name], **kwargs}, {"uses_scaler": uses_scaler}))
+
+
 def tiny_model(seed: int = 0):
     torch.manual_seed(seed)
-    return MLP(6, [5], 3, "tanh")
+    return MLP(6, 3, [5], "tanh")
 
 
 def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
@@ -53,10 +65,11 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
             yield b
 
     it = batches()
-    window = Window(0, len(micro_sizes), sum(micro_sizes))
+    window = Window(0, len(micro_sizes), sum(micro_sizes), sum(micro_sizes),
+                    sum(micro_sizes) * world)
 
-    run_window(ddp, it, window, build_policy({"name": policy_name}), Precision("fp32", "cpu"),
-               lambda out, y: loss_sum("regression", out, y), torch.device("cpu"))
+    run_window(ddp, it, window, policy(policy_name), Precision("fp32", "cpu"), mse_per_sample,
+               torch.device("cpu"), BySamples(world))
     snaps.append(flat_grad())
     return {"grads": snaps, "sync_backwards": counts.sync_backwards,
             "allreduce_calls": counts.allreduce_calls, "allreduce_bytes": counts.allreduce_bytes}
@@ -64,7 +77,7 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
 
 def train_run(cfg: dict, run_dir: str) -> dict:
     """The worker's real training function on the pool's process group."""
-    summary = run_training(cfg, Path(run_dir))
+    summary = run_training(RunConfig.from_plain(cfg), Path(run_dir))
     params = None
     if dist.get_rank() == 0:
         params = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
@@ -90,7 +103,7 @@ def train_run_expecting(cfg: dict, run_dir: str, error: str) -> str:
     """Runs training that must raise `error` (a class name) on every rank; returns its text
     (the pool stays usable: no rank is left in a collective)."""
     try:
-        run_training(cfg, Path(run_dir))
+        run_training(RunConfig.from_plain(cfg), Path(run_dir))
     except Exception as e:
         if type(e).__name__ != error:
             raise
@@ -146,15 +159,38 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
     ddp = DistributedDataParallel(tiny_lm(), gradient_as_bucket_view=True)
     mine = [pad_batch(seqs) for seqs in lm_window_batches()[rank]]
     samples = sum(len(x) for x, _ in mine)
-    norm = build_normalizer(normalize, "lm", lambda y: loss_units("lm", y), world,
-                            torch.device("cpu"), tokens_per_sample)
+    norm = build_normalizer(normalize, "tokens", world, torch.device("cpu"), tokens_per_sample)
     prec = Precision(precision, "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples),
-                      build_policy({"name": "accumulate"}), prec,
-                      lambda out, y: loss_sum("lm", out, y, per_sequence=normalize == "samples"),
-                      torch.device("cpu"), norm)
+    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples, samples, samples * world),
+                      policy("accumulate"), prec, token_loss_per_sample, torch.device("cpu"), norm)
     prec.unscale(opt)
     norm.before_step(ddp.parameters())
     grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])
     return {"grad": grad, "loss": float(loss), "scale": prec.scale}
+
+
+# --- data that does not divide evenly (tests/test_uneven.py) ------------------------------------
+def train_recording_steps(cfg: dict) -> dict:
+    """The worker's real parts and loop (no outputs written); at every optimizer step, records
+    the parameters the window's forwards used and the gradient the step applies."""
+    from gradsync.loop import Progress, train
+    from gradsync.metrics import RunLog
+    from gradsync.worker import build_parts
+
+    p = build_parts(RunConfig.from_plain(cfg), dist.get_rank(), dist.get_world_size(),
+                    torch.device("cpu"))
+    steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    forwards: list[int] = []  # DDP's own forwards: training micro-batches (eval uses .module)
+    p.ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
+
+    def record(optimizer, args, kwargs):
+        params = list(p.ddp.module.parameters())
+        steps.append(([q.detach().clone() for q in params],
+                      [q.grad.detach().clone() for q in params]))
+
+    p.optimizer.register_step_pre_hook(record)
+    state = train(p, Progress(), RunLog(Path("."), active=False))
+    return {"steps": steps, "samples_seen": state.samples_seen, "last_loss": state.last_loss,
+            "eval": state.last_eval, "micro_steps": len(forwards),
+            "params": [q.detach().clone() for q in p.ddp.module.parameters()]}

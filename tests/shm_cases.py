@@ -26,7 +26,7 @@ def synced_grads(transport: str, wire: str | None, windows: int = 3) -> dict:
     rank = dist.get_rank()
     before = leftovers()
     torch.manual_seed(0)
-    model = MLP(16, [64, 64], 8, "tanh")
+    model = MLP(16, 8, [64, 64], "tanh")
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.005)
     wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[wire]
     inner = allreduce_in(wire_dtype)
@@ -42,7 +42,7 @@ def synced_grads(transport: str, wire: str | None, windows: int = 3) -> dict:
         with ddp.no_sync():
             ((ddp(batches[0][0]) - batches[0][1]) ** 2).sum().backward()
         # what this rank alone would hold after the window: its own full local gradient
-        ref = MLP(16, [64, 64], 8, "tanh")
+        ref = MLP(16, 8, [64, 64], "tanh")
         ref.load_state_dict(model.state_dict())
         for x, y in batches:
             ((ref(x) - y) ** 2).sum().backward()
@@ -63,7 +63,7 @@ def refused_across_hosts(mode: str) -> str:
     shm_allreduce.host_id = lambda: f"host-{dist.get_rank()}"  # type: ignore[assignment]
     try:
         inner = allreduce_in(None)
-        out = over_shared_memory(inner, list(MLP(4, [4], 2, "tanh").parameters()), mode)
+        out = over_shared_memory(inner, list(MLP(4, 2, [4], "tanh").parameters()), mode)
         return "unchanged" if out is inner else out.hook.__name__
     except RuntimeError as e:
         return f"error: {e}"

@@ -13,9 +13,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import amp_cases
 import dist_cases
+from dist_cases import TARGETS
 from gradsync import checkpoint
+from gradsync.components import build
 from gradsync.config import ConfigError, validate
-from gradsync.policies import AccumulateSync, AmpAwareSync, build_policy
+from gradsync.policies import AccumulateSync, AmpAwareSync
 from gradsync.precision import autocast_runs
 from test_config import compose_plain
 from test_ddp_sync import synthetic_cfg
@@ -28,8 +30,9 @@ def with_amp(cfg: dict, precision: str, sync: str = "amp_aware", comm_dtype: str
     cfg = copy.deepcopy(cfg)
     cfg["precision"] = {"name": precision, "init_scale": init_scale, "growth_interval": 2000,
                         "growth_factor": 2.0, "backoff_factor": 0.5}
-    cfg["sync"] = ({"name": sync, "comm_dtype": comm_dtype, "overflow_consensus": True}
-                   if sync == "amp_aware" else {"name": sync})
+    cfg["sync"] = ({"_target_": TARGETS[sync], "comm_dtype": comm_dtype,
+                    "overflow_consensus": True}
+                   if sync == "amp_aware" else {"_target_": TARGETS[sync]})
     return cfg
 
 
@@ -77,15 +80,19 @@ def test_fp16_all_reduce_needs_the_fp16_scaler():
 
 def test_amp_aware_syncs_like_accumulate_and_checks_overflows_only_with_the_scaler():
     cfg = compose_plain(["sync=amp_aware"])["sync"]
-    amp, acc = build_policy(cfg, uses_scaler=True), AccumulateSync()
+
+    def built(node: dict, uses_scaler: bool = False) -> AmpAwareSync:
+        return build(node, {"uses_scaler": uses_scaler})
+
+    amp, acc = built(cfg, uses_scaler=True), AccumulateSync()
     for n in (1, 3, 4):
         assert [amp.should_sync(i, n) for i in range(n)] == [acc.should_sync(i, n)
                                                              for i in range(n)]
     assert amp.comm_hook().wire_dtype == torch.bfloat16 and acc.comm_hook().wire_dtype is None
-    assert build_policy({**cfg, "comm_dtype": "fp32"}).comm_hook().wire_dtype is None
-    assert isinstance(amp, AmpAwareSync) and amp.consensus
-    assert not build_policy(cfg, uses_scaler=False).consensus  # bf16/fp32: no scaler, no check
-    assert not build_policy({**cfg, "overflow_consensus": False}, uses_scaler=True).consensus
+    assert built({**cfg, "comm_dtype": "fp32"}).comm_hook().wire_dtype is None
+    assert isinstance(amp, AmpAwareSync) and amp.consensus is not None
+    assert built(cfg, uses_scaler=False).consensus is None  # bf16/fp32: no scaler, no check
+    assert built({**cfg, "overflow_consensus": False}, uses_scaler=True).consensus is None
 
 
 # --- real 2-process runs ---------------------------------------------------------------------

@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import cli_environ
-from gradsync.launch import adopt_submitit_ranks, job_rank
+from gradsync.launch import adopt_submitit_ranks
+from gradsync.ranks import job_rank
 from gradsync.train import CONF_DIR
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -156,11 +157,14 @@ def test_torchrun_failures_are_one_line_and_a_restart_gets_a_fresh_dir(tmp_path,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restarts on torchrun's shared store can read the
     previous attempt's keys, pytorch#135712) also makes rank 0, not the agent, host the store
     that rank0_now goes through."""
-    env = cli_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    tests = str(Path(__file__).parent)  # components_for_tests: data that fails in the workers
+    env = cli_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                     "PYTHONPATH": os.pathsep.join([tests, cli_env.get("PYTHONPATH", "")])}
     proc = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", *TRAIN,
-                *JOB, "optimizer.lr=-1"], tmp_path, env)
+                *JOB, "data._target_=components_for_tests.data_that_fails"], tmp_path, env)
     assert proc.returncode != 0
-    line = "gradsync: training failed: rank 0 failed: ValueError: Invalid learning rate: -1.0"
+    line = ("gradsync: training failed: rank 0 failed: ValueError: the data cannot be loaded "
+            "(a test aid)")
     assert proc.stderr.count(line) == 2 and "config error" not in proc.stderr
     run_dirs = sorted((tmp_path / "outputs" / "runs").glob("*/*"))
     assert len(run_dirs) == 2

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import dist_cases
-from gradsync.data import loss_sum
+from configs import plain_cfg
+from gradsync.data import mse_per_sample
 from gradsync.models import MLP
+from gradsync.settings import RunConfig
 from gradsync.worker import run_training
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -21,7 +23,7 @@ def reference_grad(micro_sizes, world):
     data = dist_cases.window_data(0, world, micro_sizes)
     x = torch.cat([b[0] for rank in data for b in rank])
     y = torch.cat([b[1] for rank in data for b in rank])
-    (loss_sum("regression", model(x), y) / len(x)).backward()
+    (mse_per_sample(model(x), y)[0].sum() / len(x)).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -53,36 +55,29 @@ def test_always_syncs_every_micro_step_and_ends_at_the_same_gradient(pool2):
         assert r["allreduce_bytes"] == len(MICRO) * param_bytes()
 
 
+def run_overrides(devices: int, micro: int, accum: int, sync: str = "accumulate") -> list[str]:
+    """The settings every run of these tests shares (the model and data aside)."""
+    return ["seed=3", "optimizer.lr=0.05", f"schedule.accum_steps={accum}", f"sync={sync}",
+            f"data.micro_batch_size={micro}", f"trainer.devices={devices}",
+            "trainer.max_epochs=2", "trainer.log_every=3", "trainer.backend=gloo",
+            "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.timeout_s=60",
+            "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1",
+            "lr_scheduler.warmup_steps=2", "lr_scheduler.min_lr_ratio=0.1"]
+
+
 def synthetic_cfg(devices: int, micro: int, accum: int, sync: str = "accumulate") -> dict:
     """200 samples, global batch 32: every epoch ends in a partial window of 8 samples, and
     with micro 8 on 2 ranks the last micro-batch of an epoch is short (4 samples)."""
-    return {
-        "seed": 3,
-        "model": {"name": "mlp", "hidden_sizes": [16], "activation": "tanh", "dropout": 0.0},
-        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.05,
-                      "momentum": 0.9, "weight_decay": 0.0, "nesterov": False},
-        "schedule": {"name": "constant", "accum_steps": accum},
-        "sync": {"name": sync},
-        "precision": {"name": "fp32", "init_scale": 65536.0, "growth_interval": 2000,
-                      "growth_factor": 2.0, "backoff_factor": 0.5},
-        "data": {"name": "synthetic", "micro_batch_size": micro, "num_samples": 200,
-                 "eval_samples": 64, "in_dim": 8, "out_dim": 2, "noise": 0.05},
-        "trainer": {"devices": devices, "max_steps": -1, "max_epochs": 2, "log_every": 3,
-                    "eval_every": 0, "backend": "gloo", "threads_per_worker": 1,
-                    "progress_bar": False, "clip_grad_norm": 0.0,
-                    "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0, "timeout_s": 60,
-                    "deterministic": None, "checkpoint_every": 0, "keep_checkpoints": 1,
-                    "num_workers": 0, "fail_at_step": -1},
-        "lr_scheduler": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
-        "resume": "none",
-    }
+    return plain_cfg([*run_overrides(devices, micro, accum, sync), "model.hidden_sizes=[16]",
+                      "model.activation=tanh", "data=synthetic", "data.num_samples=200",
+                      "data.eval_samples=64", "data.in_dim=8", "data.out_dim=2"])
 
 
 @pytest.fixture(scope="module")
 def reference_run(single_process_group, tmp_path_factory):
     cfg = synthetic_cfg(1, 32, 1)
     out = tmp_path_factory.mktemp("ref")
-    summary = run_training(cfg, out)
+    summary = run_training(RunConfig.from_plain(cfg), out)
     from gradsync import checkpoint
 
     return summary, checkpoint.load(out / "checkpoints" / "last.pt")["model"]
@@ -104,7 +99,7 @@ def test_factorisations_of_one_global_batch_train_the_same_model(
     assert abs(s["final_train_loss"] - ref_summary["final_train_loss"]) < 1e-5
     # training moved the parameters far from their initial values (the check has teeth)
     torch.manual_seed(3)
-    init = MLP(8, [16], 2, "tanh").state_dict()
+    init = MLP(8, 2, [16], "tanh").state_dict()
     assert max((ref_params[k] - init[k]).abs().max() for k in init) > 1e-2
     micro_batches_per_rank = 2 * -(-100 // micro)
     pbytes = sum(t.numel() * t.element_size() for t in ref_params.values())

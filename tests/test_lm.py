@@ -15,20 +15,28 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 import dist_cases
+from configs import plain_cfg
 from gradsync import checkpoint
+from gradsync.components import build
 from gradsync.config import ConfigError, validate
-from gradsync.data import IGNORE_INDEX, build_data, evaluate, loss_sum, loss_units, pad_batch
+from gradsync.data import IGNORE_INDEX, evaluate, pad_batch, token_loss_per_sample
 from gradsync.models import Transformer
 from gradsync.normalize import resolve
 from gradsync.schedules import build_schedule
+from gradsync.settings import RunConfig
 from gradsync.train import CONF_DIR
 from gradsync.worker import run_training
 from test_config import compose_plain
-from test_ddp_sync import synthetic_cfg
+from test_ddp_sync import run_overrides
 
-LM_DATA = {"name": "synthetic_lm", "micro_batch_size": 8, "num_samples": 512,
+LM_DATA = {"_target_": "gradsync.data.synthetic_lm", "micro_batch_size": 8, "num_samples": 512,
            "eval_samples": 50, "vocab_size": 32, "min_len": 4, "max_len": 64, "max_stride": 4,
            "noise": 0.05}
+
+
+def build_data(node: dict, seed: int):
+    """The data as the worker builds it from its config node."""
+    return build(node, {"seed": seed}, extra=("micro_batch_size",))
 
 
 def test_synthetic_lm_is_deterministic_from_the_seed_and_spans_the_length_range():
@@ -37,7 +45,7 @@ def test_synthetic_lm_is_deterministic_from_the_seed_and_spans_the_length_range(
     assert not all(torch.equal(a.train[i], c.train[i]) for i in range(10))
     lengths = [len(s) for s in a.train]
     assert (min(lengths), max(lengths)) == (4, 64)
-    assert (len(a.train), len(a.eval), a.max_len, a.task) == (512, 50, 63, "lm")
+    assert (len(a.train), len(a.eval), a.sizes["max_len"], a.unit) == (512, 50, 63, "tokens")
     assert a.tokens_per_sample == pytest.approx(sum(n - 1 for n in lengths) / 512)
     # the rule: each sequence steps by one stride in 1..4; noise breaks about 10 % of the steps
     follow = total = 0
@@ -55,8 +63,7 @@ def test_pad_batch_right_pads_inputs_and_ignores_padding_targets():
     x, y = pad_batch([torch.tensor([5, 6, 7, 8]), torch.tensor([1, 2])])
     assert x.tolist() == [[5, 6, 7], [1, 0, 0]]
     assert y.tolist() == [[6, 7, 8], [2, IGNORE_INDEX, IGNORE_INDEX]]
-    assert int(loss_units("lm", y)) == 4
-    assert loss_units("classification", torch.zeros(5)) == 5
+    assert token_loss_per_sample(torch.zeros(2, 3, 9), y)[1].tolist() == [3, 1]
 
 
 def test_transformer_outputs_at_real_tokens_ignore_padding_and_the_future():
@@ -81,15 +88,19 @@ def test_lm_loss_sum_adds_the_real_tokens_losses_only():
     y = torch.tensor([[1, 2, 3], [4, IGNORE_INDEX, IGNORE_INDEX]])
     expected = -sum(F.log_softmax(logits[b, t], -1)[y[b, t]] for b, t in
                     [(0, 0), (0, 1), (0, 2), (1, 0)])
-    assert loss_sum("lm", logits, y).item() == pytest.approx(expected.item(), rel=1e-6)
+    sums, counts = token_loss_per_sample(logits, y)
+    assert sums.sum().item() == pytest.approx(expected.item(), rel=1e-6)
+    assert counts.tolist() == [3, 1]
     logits[1, 1:] = 1e4  # whatever the model says at padding positions
-    assert loss_sum("lm", logits, y).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert token_loss_per_sample(logits, y)[0].sum().item() == pytest.approx(expected.item(),
+                                                                             rel=1e-6)
 
 
 def test_lm_evaluate_scores_every_token_once_whatever_the_batching():
     data = build_data(LM_DATA, 0)
     torch.manual_seed(0)
-    model = Transformer(32, data.max_len, d_model=16, n_layers=1, n_heads=2, mlp_ratio=2)
+    model = Transformer(32, data.sizes["max_len"], d_model=16, n_layers=1, n_heads=2,
+                        mlp_ratio=2)
     total = correct = count = 0.0
     with torch.no_grad():
         for s in data.eval:  # one unpadded sequence at a time
@@ -98,7 +109,7 @@ def test_lm_evaluate_scores_every_token_once_whatever_the_batching():
             correct += (logits.argmax(-1) == s[1:]).sum().item()
             count += len(s) - 1
     for batch_size in (1000, 7):
-        m = evaluate(model, data.eval, "lm", 0, 1, torch.device("cpu"), batch_size, pad_batch)
+        m = evaluate(model, data, 0, 1, torch.device("cpu"), batch_size)
         assert m["loss"] == pytest.approx(total / count, rel=1e-5)
         assert m["accuracy"] == correct / count
         assert m["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
@@ -157,20 +168,16 @@ def test_the_three_objectives_differ_on_this_window():
 def lm_cfg(devices: int, micro: int, accum: int, normalize: str, clip: float = 0.0) -> dict:
     """104 sequences of 2..48 tokens, global batch 16: each epoch ends in a partial window of
     8 sequences; 2 epochs = 14 steps."""
-    cfg = synthetic_cfg(devices, micro, accum)
-    cfg["model"] = {"name": "transformer", "d_model": 16, "n_layers": 2, "n_heads": 2,
-                    "mlp_ratio": 2}
-    cfg["data"] = {"name": "synthetic_lm", "micro_batch_size": micro, "num_samples": 104,
-                   "eval_samples": 32, "vocab_size": 16, "min_len": 2, "max_len": 48,
-                   "max_stride": 3, "noise": 0.1}
-    cfg["optimizer"]["lr"] = 0.3
-    cfg["trainer"]["clip_grad_norm"] = clip
-    cfg["loss"] = {"normalize": normalize}
-    return cfg
+    return plain_cfg([*run_overrides(devices, micro, accum), "model=transformer",
+                      "model.d_model=16", "model.mlp_ratio=2", "data=synthetic_lm",
+                      "data.num_samples=104", "data.eval_samples=32", "data.vocab_size=16",
+                      "data.min_len=2", "data.max_len=48", "data.max_stride=3", "data.noise=0.1",
+                      "optimizer.lr=0.3", f"trainer.clip_grad_norm={clip}",
+                      f"loss.normalize={normalize}"])
 
 
 def train_here(cfg: dict, run_dir) -> tuple[dict, dict]:
-    summary = run_training(cfg, run_dir)
+    summary = run_training(RunConfig.from_plain(cfg), run_dir)
     return summary, checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
@@ -234,7 +241,7 @@ def test_per_micro_batch_means_train_another_model(pool2, direct_reference, tmp_
 def bigram_accuracy(data) -> float:
     """Held-out accuracy of the best next-token guess from the current token alone, counted on
     the training set: what a model that ignores the context can reach."""
-    vocab = data.in_dim
+    vocab = data.sizes["vocab_size"]
     counts = torch.zeros(vocab, vocab)
     for s in data.train:
         counts.index_put_((s[:-1], s[1:]), torch.ones(len(s) - 1), accumulate=True)
@@ -252,8 +259,9 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
     cfg["optimizer"] = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01,
                         "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
     cfg["trainer"]["max_steps"] = 60
-    cfg["lr_scheduler"] = {"name": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1}
-    ev = run_training(cfg, tmp_path)["eval"]
+    cfg["lr_scheduler"] = {"_target_": "gradsync.lr_schedulers.warmup_cosine",
+                           "warmup_steps": 5, "min_lr_ratio": 0.1}
+    ev = run_training(RunConfig.from_plain(cfg), tmp_path)["eval"]
     bigram = bigram_accuracy(build_data(cfg["data"], cfg["seed"]))
     assert bigram < 0.35  # about 1/max_stride
     assert ev["accuracy"] > bigram + 0.2, (ev, bigram)
@@ -263,10 +271,11 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
 def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     cfg = compose_plain(["experiment=lm_accum_sweep"])
     validate(cfg, cuda_available=False)
-    assert (cfg["model"]["name"], cfg["data"]["name"], cfg["trainer"]["devices"]) == \
-        ("transformer", "synthetic_lm", 2)
-    assert resolve(cfg["loss"]["normalize"], "lm") == "tokens"
-    assert build_schedule(cfg["schedule"], 2, cfg["data"]["micro_batch_size"]).accum_steps(0) == 4
+    assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
+        ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
+    assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
+    assert build_schedule(RunConfig.from_plain(cfg).schedule, 2,
+                          cfg["data"]["micro_batch_size"]).accum_steps(0) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         params = compose("config", overrides=["experiment=lm_accum_sweep"],
                          return_hydra_config=True).hydra.sweeper.params
@@ -278,7 +287,8 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
                                  f"loss.normalize={normalize}"])
             validate(job, cuda_available=False)
             assert job["schedule"]["global_batch_size"] == 64
-            accum.add(build_schedule(job["schedule"], 2, int(micro)).accum_steps(0))
+            accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2,
+                                     int(micro)).accum_steps(0))
     assert accum == {1, 2, 4, 8}
 
 
@@ -291,8 +301,8 @@ BAD_LM = [
     (["data.max_len=3"], "data.max_len=3 is not allowed: an integer >= data.min_len=4"),
     (["data.max_stride=32"], "data.max_stride=32 is not allowed: an integer in [1, "
      "data.vocab_size=32)"),
-    (["model=mlp"], "model='mlp' is not allowed: data=synthetic_lm (token data) needs "
-     "model=transformer"),
+    (["model=mlp"], "model: gradsync.models.MLP needs in_dim, which data "
+     "(gradsync.data.synthetic_lm) does not provide (it provides vocab_size, max_len)"),
 ]
 
 
@@ -305,8 +315,8 @@ def test_bad_lm_config_is_refused_naming_the_key(overrides, message):
 
 
 def test_the_transformer_on_sample_data_is_refused():
-    with pytest.raises(ConfigError, match=r"^model=transformer needs token data \(data="
-                       r"synthetic_lm\); data=digits has samples: use model=mlp$"):
+    with pytest.raises(ConfigError, match=r"^model: gradsync.models.Transformer needs "
+                       r"vocab_size, which data \(gradsync.data.digits\) does not provide"):
         validate(compose_plain(["model=transformer"]), cuda_available=False)
 
 

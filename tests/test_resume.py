@@ -33,6 +33,7 @@ def uninterrupted(request, pool2, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(f"uninterrupted_{request.param}")
     r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(overrides), str(run_dir))
     assert r0["summary"]["windows"] == WINDOWS
+    assert r0["summary"]["samples_seen"] == 4 * 199  # the sampler's repeats not counted
     assert [r["window"] for r in r0["rows"]] == list(range(1, WINDOWS + 1))
     if request.param == "fp16":
         assert r0["summary"]["amp_skipped_steps"] >= 2

@@ -22,6 +22,7 @@ from gradsync import sweep
 from gradsync.config import register_configs, to_plain, validate
 from gradsync.metrics import final_metrics, flat_hparams
 from gradsync.schedules import build_schedule
+from gradsync.settings import RunConfig
 from gradsync.train import CONF_DIR
 
 register_configs()
@@ -53,8 +54,9 @@ def compose_with_hydra(overrides: list[str], with_hydra: bool = True):
 def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
     cfg = compose_with_hydra(["experiment=accum_sweep"])
     assert dict(cfg.hydra.sweeper.params) == {"schedule.accum_steps": "1,2,4,8"}
-    assert cfg.schedule.name == "constant" and cfg.sync.name == "accumulate"
-    assert cfg.data.name == "digits"  # the default data, as make sweep promises
+    assert cfg.schedule.name == "constant"
+    assert cfg.sync._target_ == "gradsync.policies.AccumulateSync"
+    assert cfg.data._target_ == "gradsync.data.digits"  # the default data, as make sweep promises
     assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.train.SweepSummary"
 
 
@@ -66,8 +68,9 @@ def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
         plain = to_plain(compose_with_hydra(["experiment=fixed_global_batch",
                                              f"data.micro_batch_size={micro}"], False))
         validate(plain, cuda_available=False)
-        ns.append(build_schedule(plain["schedule"], plain["trainer"]["devices"], micro)
-                  .accum_steps(0))
+        schedule = build_schedule(RunConfig.from_plain(plain).schedule,
+                                  plain["trainer"]["devices"], micro)
+        ns.append(schedule.accum_steps(0))
     assert ns == [4, 2, 1]  # 2 ranks x micro x N = 128 every time
 
 
@@ -211,7 +214,7 @@ def test_tensorboard_hparams_tab_compares_the_jobs(accum_sweep):
     for j, (n, s) in enumerate(zip(ACCUM, summaries(sweep_dir, 3), strict=True)):
         g = groups[f"{j}/tb"]
         assert g.hparams["schedule.accum_steps"].number_value == n
-        assert g.hparams["data.name"].string_value == "synthetic"
+        assert g.hparams["data._target_"].string_value == "gradsync.data.synthetic"
         assert g.hparams["model.hidden_sizes"].string_value == "[128, 128]"
         metrics = {m.name.tag: m.value for m in g.metric_values}
         for key, value in final_metrics(s).items():

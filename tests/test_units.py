@@ -6,35 +6,75 @@ import math
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
-from gradsync.data import loss_sum
-from gradsync.lr_schedulers import WarmupCosine, build_lr_scheduler
+from gradsync.data import cross_entropy_per_sample, mse_per_sample, train_loader
+from gradsync.lr_schedulers import WarmupCosine, warmup_cosine
 from gradsync.policies import AccumulateSync, AlwaysSync
 from gradsync.schedules import (
     EpochwiseSchedule,
+    Shard,
     Window,
     build_schedule,
     plan_epoch,
     total_optimizer_steps,
 )
+from gradsync.settings import GlobalBatchScheduleConfig
 
 
 def test_plan_epoch_counts_short_last_micro_batch_and_partial_window():
     # 100 samples per rank, micro 8 -> 13 micro-batches (12 x 8 + 4), N=4 -> 4 windows
-    plan = plan_epoch(100, 8, 4)
-    assert plan == [Window(0, 4, 32), Window(4, 8, 32), Window(8, 12, 32), Window(12, 13, 4)]
+    plan = plan_epoch(Shard(100), 8, 4)
+    assert plan == [Window(0, 4, 32, 32, 32), Window(4, 8, 32, 32, 32),
+                    Window(8, 12, 32, 32, 32), Window(12, 13, 4, 4, 4)]
     assert sum(w.local_samples for w in plan) == 100
-    assert plan_epoch(96, 8, 4)[-1] == Window(8, 12, 32)
-    assert plan_epoch(5, 8, 3) == [Window(0, 1, 5)]
+    assert plan_epoch(Shard(96), 8, 4)[-1] == Window(8, 12, 32, 32, 32)
+    assert plan_epoch(Shard(5), 8, 3) == [Window(0, 1, 5, 5, 5)]
+
+
+def test_plan_epoch_tells_the_samplers_repeats_apart():
+    # 101 samples on 3 ranks: 34 positions each (102 in all): rank 2's last position repeats
+    # the epoch's first sample; micro 11 -> 3 x 11 + 1 per rank, N=2 -> 2 windows
+    plans = [plan_epoch(Shard(101, r, 3), 11, 2) for r in range(3)]
+    assert plans[0] == [Window(0, 2, 22, 22, 66), Window(2, 4, 12, 12, 35)]
+    assert plans[2] == [Window(0, 2, 22, 22, 66), Window(2, 4, 12, 11, 35)]
+    assert [[w.start for w in p] for p in plans] == [[0, 2]] * 3  # the same micro-batches
+    # a data set smaller than the world: the repeats fill whole shares
+    assert [plan_epoch(Shard(2, r, 5), 4, 1)[0].real for r in range(5)] == [1, 1, 0, 0, 0]
+    assert plan_epoch(Shard(2, 4, 5), 4, 1)[0].global_real == 2
+
+
+@pytest.mark.parametrize("n,world", [(101, 1), (101, 2), (101, 3), (1009, 4), (3, 4), (8, 4)])
+def test_shard_matches_the_distributed_sampler(n, world):
+    """Shard's arithmetic against the real sampler: over all ranks, the positions Shard calls
+    real hold every index of the epoch exactly once, and the others only repeats."""
+    seen: list[int] = []
+    for rank in range(world):
+        _, sampler = train_loader(TensorDataset(torch.arange(n)), 4, rank, world, seed=7)
+        sampler.set_epoch(3)
+        shard = Shard(n, rank, world)
+        indices = list(sampler)
+        assert len(indices) == len(shard)
+        real = shard.real(0, len(shard))
+        assert shard.real(real, len(shard)) == 0  # the repeats come last
+        seen += indices[:real]
+    assert sorted(seen) == list(range(n))
+    assert Shard(n, 0, world).global_real(0, len(Shard(n, 0, world))) == n
 
 
 @pytest.mark.parametrize("samples,micro,n", [(1, 1, 1), (7, 2, 3), (64, 8, 8), (65, 8, 8),
                                              (1000, 7, 5)])
 def test_plan_epoch_covers_every_sample_once(samples, micro, n):
-    plan = plan_epoch(samples, micro, n)
+    plan = plan_epoch(Shard(samples), micro, n)
     assert sum(w.local_samples for w in plan) == samples
     assert all(0 < w.size <= n for w in plan)
     assert [w.start for w in plan[1:]] == [w.stop for w in plan[:-1]]
+    for world in (2, 3):  # the same data on more ranks: every real sample counted once
+        plans = [plan_epoch(Shard(samples, r, world), micro, n) for r in range(world)]
+        assert sum(w.global_real for w in plans[0]) == samples
+        assert sum(w.real for p in plans for w in p) == samples
+        assert all(p[k].global_real == sum(q[k].real for q in plans)
+                   for p in plans for k in range(len(p)))
 
 
 def test_epochwise_schedule_holds_each_entry_until_the_next():
@@ -45,7 +85,7 @@ def test_epochwise_schedule_holds_each_entry_until_the_next():
 
 
 def test_global_batch_and_total_steps():
-    s = build_schedule({"name": "global_batch", "global_batch_size": 64}, 2, 8)
+    s = build_schedule(GlobalBatchScheduleConfig(global_batch_size=64), 2, 8)
     assert s.accum_steps(0) == 4
     # 100 local samples, micro 8, N=4 -> 4 steps/epoch; 3 epochs -> 12; capped by max_steps
     assert total_optimizer_steps(s, 3, -1, 100, 8) == 12
@@ -72,8 +112,7 @@ def test_warmup_cosine_values():
 def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = build_lr_scheduler({"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.0},
-                               opt, 10)
+    sched = warmup_cosine(opt, 10, warmup_steps=2, min_lr_ratio=0.0)
     for _ in range(3):
         opt.step()
         sched.step()
@@ -82,10 +121,11 @@ def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
     assert state["last_epoch"] == 3 and state["lr_lambdas"][0]["total_steps"] == 10
 
 
-def test_loss_sum_is_a_sum_of_per_sample_means():
+def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
     out = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
     y = torch.zeros(2, 2)
-    assert loss_sum("regression", out, y).item() == pytest.approx((1 + 9) / 2 + 0)
+    sums, counts = mse_per_sample(out, y)
+    assert sums.tolist() == [(1 + 9) / 2, 0.0] and counts.tolist() == [1.0, 1.0]
     logits = torch.zeros(3, 4)
-    assert loss_sum("classification", logits, torch.tensor([0, 1, 2])).item() == \
+    assert cross_entropy_per_sample(logits, torch.tensor([0, 1, 2]))[0].sum().item() == \
         pytest.approx(3 * math.log(4))

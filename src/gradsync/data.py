@@ -7,55 +7,122 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
+from gradsync.components import CheckContext, checks, require
 from gradsync.repro import derive_seed
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 
+
 @dataclass
 class DataBundle:
+    """The data contract: what a data builder (a ``_target_`` callable, conf/data/) returns.
+
+    ``loss(output, target)`` gives, per sample of a micro-batch, the summed loss and the number
+    of units it sums over (1 per sample; the non-padding tokens of a sequence): a *sum plus a
+    count*, so the loop can divide every window by its exact global count of samples or tokens,
+    across micro-batches and ranks. ``sizes`` is what a model may receive (it gets those that it
+    names among its parameters)."""
+
     train: Dataset
     eval: Dataset
-    in_dim: int  # features; for token data the vocabulary size
-    out_dim: int
-    task: str  # "classification" | "regression" | "lm"
+    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    sizes: dict[str, int]  # in_dim/out_dim (features), vocab_size/max_len (tokens)
+    unit: str = "samples"  # what the loss averages over: "samples" or "tokens"
     collate: Callable | None = None  # None: default_collate; token data pads per micro-batch
-    max_len: int = 0  # token data: the longest input sequence (the model's position table)
+    # eval metric: how many units of a batch the model got right (accuracy); None: no accuracy
+    correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     tokens_per_sample: float = 1.0  # token data: mean loss tokens per training sequence
 
 
-def synthetic(cfg: dict[str, Any], seed: int) -> DataBundle:
+class DataBuilder(Protocol):
+    """A callable returning a DataBundle; it receives its config's keyword arguments (all but
+    ``micro_batch_size``, which the loader uses) and ``seed`` if it names it. Optional
+    attributes, set with ``@provides``: the sizes it will put in ``DataBundle.sizes`` and its
+    unit, so a config can be checked against the model before any worker starts."""
+
+    def __call__(self, **kwargs: Any) -> DataBundle: ...
+
+
+def provides(*sizes: str, unit: str = "samples") -> Callable[[Any], Any]:
+    def mark(builder: Any) -> Any:
+        builder.sizes, builder.unit = sizes, unit
+        return builder
+
+    return mark
+
+
+def mse_per_sample(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's mean squared error over its outputs, and a count of 1 per sample."""
+    err = F.mse_loss(out.float(), y, reduction="none").mean(dim=1)
+    return err, torch.ones_like(err)
+
+
+def cross_entropy_per_sample(out: torch.Tensor,
+                             y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    err = F.cross_entropy(out.float(), y, reduction="none")
+    return err, torch.ones_like(err)
+
+
+def argmax_correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Units whose argmax is the target (padding targets, IGNORE_INDEX, never are)."""
+    return (out.argmax(dim=-1) == y).sum()
+
+
+def _check_synthetic(a: dict[str, Any], ctx: CheckContext) -> None:
+    for key in ("num_samples", "eval_samples", "in_dim", "out_dim"):
+        require(a[key] >= 1, f"data.{key}", "an integer >= 1", a[key])
+    require(0.0 <= a["noise"] < math.inf, "data.noise", "a finite number >= 0", a["noise"])
+
+
+@checks(_check_synthetic)
+@provides("in_dim", "out_dim")
+def synthetic(seed: int, num_samples: int = 2048, eval_samples: int = 512, in_dim: int = 32,
+              out_dim: int = 8, noise: float = 0.05) -> DataBundle:
     """Teacher-student regression: a fixed random tanh network plus noise, all from the seed."""
     g = torch.Generator().manual_seed(seed)
-    n, d, k = cfg["num_samples"] + cfg["eval_samples"], cfg["in_dim"], cfg["out_dim"]
+    n, d, k = num_samples + eval_samples, in_dim, out_dim
     x = torch.randn(n, d, generator=g)
     w1 = torch.randn(d, 64, generator=g) / d**0.5
     w2 = torch.randn(64, k, generator=g) / 8.0
-    y = torch.tanh(x @ w1) @ w2 + cfg["noise"] * torch.randn(n, k, generator=g)
-    split = cfg["num_samples"]
+    y = torch.tanh(x @ w1) @ w2 + noise * torch.randn(n, k, generator=g)
+    split = num_samples
     return DataBundle(TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:]),
-                      d, k, "regression")
+                      mse_per_sample, {"in_dim": d, "out_dim": k})
 
 
-def digits(cfg: dict[str, Any], seed: int) -> DataBundle:
+def _check_digits(a: dict[str, Any], ctx: CheckContext) -> None:
+    require(0.0 < a["test_fraction"] < 1.0, "data.test_fraction", "a number in (0, 1)",
+            a["test_fraction"])
+
+
+@checks(_check_digits)
+@provides("in_dim", "out_dim")
+def digits(test_fraction: float = 0.2, split_seed: int = 0) -> DataBundle:
     """scikit-learn's bundled digits; the held-out split depends on split_seed, not the run
     seed, so runs with different seeds are scored on the same images."""
-    from sklearn.datasets import load_digits  # heavy import, only where used
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(cfg["split_seed"]).permutation(len(y))
-    n_test = int(round(cfg["test_fraction"] * len(y)))
+    x, y = digit_arrays()
+    order = np.random.default_rng(split_seed).permutation(len(y))
+    n_test = int(round(test_fraction * len(y)))
     xt = torch.tensor(x / 16.0, dtype=torch.float32)
     yt = torch.tensor(y, dtype=torch.long)
     test, train = torch.from_numpy(order[:n_test]), torch.from_numpy(order[n_test:])
     return DataBundle(TensorDataset(xt[train], yt[train]), TensorDataset(xt[test], yt[test]),
-                      64, 10, "classification")
+                      cross_entropy_per_sample, {"in_dim": 64, "out_dim": 10},
+                      correct=argmax_correct)
+
+
+def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1797 8x8 digit images (pixels 0..16, flattened to 64) and labels."""
+    from sklearn.datasets import load_digits  # heavy import, only where used
+
+    return load_digits(return_X_y=True)
 
 
 class TokenSequences(Dataset):
@@ -83,33 +150,58 @@ def pad_batch(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def synthetic_lm(cfg: dict[str, Any], seed: int) -> DataBundle:
+def token_loss_per_sample(out: torch.Tensor,
+                          y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's summed next-token loss over its non-padding targets, and their count."""
+    tokens = F.cross_entropy(out.float().transpose(1, 2), y, reduction="none",
+                             ignore_index=IGNORE_INDEX)  # [B, T], 0 at padding
+    return tokens.sum(1), (y != IGNORE_INDEX).sum(1)
+
+
+def _check_synthetic_lm(a: dict[str, Any], ctx: CheckContext) -> None:
+    for key in ("num_samples", "eval_samples"):
+        require(a[key] >= 1, f"data.{key}", "an integer >= 1", a[key])
+    require(a["vocab_size"] >= 2, "data.vocab_size", "an integer >= 2", a["vocab_size"])
+    require(a["min_len"] >= 2, "data.min_len",
+            "an integer >= 2 (a sequence needs one input and one target)", a["min_len"])
+    require(a["max_len"] >= a["min_len"], "data.max_len",
+            f"an integer >= data.min_len={a['min_len']}", a["max_len"])
+    require(1 <= a["max_stride"] < a["vocab_size"], "data.max_stride",
+            f"an integer in [1, data.vocab_size={a['vocab_size']})", a["max_stride"])
+    require(0.0 <= a["noise"] <= 1.0, "data.noise", "a number in [0, 1]", a["noise"])
+
+
+@checks(_check_synthetic_lm)
+@provides("vocab_size", "max_len", unit="tokens")
+def synthetic_lm(seed: int, num_samples: int = 2048, eval_samples: int = 256,
+                 vocab_size: int = 32, min_len: int = 4, max_len: int = 64, max_stride: int = 4,
+                 noise: float = 0.05) -> DataBundle:
     """Token sequences from the seed, lengths uniform in [min_len, max_len]: each counts from a
     random start by a random stride in 1..max_stride modulo vocab_size, and each token is
     replaced by a random one with probability noise. Predicting the next token needs the
     stride, read from earlier tokens: a bigram model gets about 1/max_stride of them right."""
     g = torch.Generator().manual_seed(seed)
-    n, vocab = cfg["num_samples"] + cfg["eval_samples"], cfg["vocab_size"]
-    lengths = torch.randint(cfg["min_len"], cfg["max_len"] + 1, (n,), generator=g)
+    n, vocab = num_samples + eval_samples, vocab_size
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
     starts = torch.randint(0, vocab, (n,), generator=g)
-    strides = torch.randint(1, cfg["max_stride"] + 1, (n,), generator=g)
+    strides = torch.randint(1, max_stride + 1, (n,), generator=g)
     seqs = []
     for length, start, stride in zip(lengths.tolist(), starts.tolist(), strides.tolist(),
                                      strict=True):
         clean = (start + stride * torch.arange(length)) % vocab
-        noisy = torch.rand(length, generator=g) < cfg["noise"]
+        noisy = torch.rand(length, generator=g) < noise
         seqs.append(torch.where(noisy, torch.randint(0, vocab, (length,), generator=g), clean))
-    split = cfg["num_samples"]
-    return DataBundle(TokenSequences(seqs[:split]), TokenSequences(seqs[split:]), vocab, vocab,
-                      "lm", collate=pad_batch, max_len=cfg["max_len"] - 1,
-                      tokens_per_sample=float((lengths[:split] - 1).double().mean()))
+    return token_bundle(seqs[:num_samples], seqs[num_samples:], vocab, max_len)
 
 
-DATASETS = {"synthetic": synthetic, "digits": digits, "synthetic_lm": synthetic_lm}
-
-
-def build_data(cfg: dict[str, Any], seed: int) -> DataBundle:
-    return DATASETS[cfg["name"]](cfg, seed)
+def token_bundle(train: list[torch.Tensor], held_out: list[torch.Tensor], vocab_size: int,
+                 max_len: int) -> DataBundle:
+    """Next-token prediction on variable-length sequences (at most max_len tokens each)."""
+    lengths = torch.tensor([len(s) for s in train], dtype=torch.float64)
+    return DataBundle(TokenSequences(train), TokenSequences(held_out), token_loss_per_sample,
+                      {"vocab_size": vocab_size, "max_len": max_len - 1}, unit="tokens",
+                      collate=pad_batch, correct=argmax_correct,
+                      tokens_per_sample=float((lengths - 1).mean()))
 
 
 class EpochSampler(DistributedSampler):
@@ -149,52 +241,33 @@ def epoch_batches(loader: DataLoader, epoch: int, skip_samples: int = 0) -> Iter
     return iter(loader)
 
 
-def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor,
-             per_sequence: bool = False) -> torch.Tensor:
-    """Sum over the micro-batch of per-sample losses (the loop's normaliser decides what it is
-    divided by). Token data: the sum of per-token losses over the non-padding targets, or with
-    per_sequence the sum of each sequence's mean token loss."""
-    if task == "lm":
-        tokens = F.cross_entropy(out.float().transpose(1, 2), y, reduction="none",
-                                 ignore_index=IGNORE_INDEX)  # [B, T], 0 at padding
-        if per_sequence:
-            return (tokens.sum(1) / (y != IGNORE_INDEX).sum(1).clamp_min(1)).sum()
-        return tokens.sum()
-    if task == "classification":
-        return F.cross_entropy(out.float(), y, reduction="sum")
-    return F.mse_loss(out.float(), y, reduction="sum") / y.shape[1]
-
-
-def loss_units(task: str, y: torch.Tensor) -> torch.Tensor | int:
-    """What a loss is averaged over: non-padding target tokens, or samples."""
-    return (y != IGNORE_INDEX).sum() if task == "lm" else y.shape[0]
-
-
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, ds: Dataset, task: str, rank: int, world_size: int,
-             device: torch.device, batch_size: int = 512,
-             collate: Callable | None = None) -> dict[str, float]:
-    """Held-out metrics over the whole eval set, each rank scoring a disjoint shard; loss and
-    accuracy are per sample, or per token on token data."""
+def evaluate(model: torch.nn.Module, data: DataBundle, rank: int, world_size: int,
+             device: torch.device, batch_size: int = 512) -> dict[str, float]:
+    """Held-out metrics over the whole eval set, each rank scoring a disjoint shard: the loss
+    per unit (sample or token), accuracy when the data has a ``correct`` metric, perplexity on
+    token data."""
     was_training = model.training
     model.eval()
+    ds = data.eval
     idx = range(rank, len(ds), world_size)  # type: ignore[arg-type]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, units
     for start in range(0, len(idx), batch_size):
-        x, y = (collate or default_collate)([ds[i] for i in idx[start:start + batch_size]])
+        x, y = (data.collate or default_collate)([ds[i] for i in idx[start:start + batch_size]])
         x, y = x.to(device), y.to(device)
         out = model(x)
-        totals[0] += loss_sum(task, out, y).double()
-        if task != "regression":  # padding targets (IGNORE_INDEX) never equal an argmax
-            totals[1] += (out.argmax(dim=-1) == y).sum()
-        totals[2] += loss_units(task, y)
+        sums, counts = data.loss(out, y)
+        totals[0] += sums.double().sum()
+        if data.correct is not None:
+            totals[1] += data.correct(out, y)
+        totals[2] += counts.sum()
     if world_size > 1:
         torch.distributed.all_reduce(totals)
     model.train(was_training)
     loss, correct, count = totals.tolist()
     metrics = {"loss": loss / count}
-    if task != "regression":
+    if data.correct is not None:
         metrics["accuracy"] = correct / count
-    if task == "lm":
+    if data.unit == "tokens":
         metrics["perplexity"] = math.exp(metrics["loss"])
     return metrics

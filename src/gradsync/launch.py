@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradsync.faults import STOP_SIGNALS, read_report, report_failure, report_to, signal_name
+from gradsync.settings import RunConfig
 from gradsync.worker import worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
@@ -66,18 +67,6 @@ def adopt_submitit_ranks() -> None:
         # every task sees all of its node's GPUs and picks cuda:LOCAL_RANK (worker.py)
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                               overwrite=True)
-
-
-def job_rank() -> int:
-    """This process's global rank when an outside engine started the ranks, else 0. Asked while
-    Hydra sets a job up (before adopt_submitit_ranks ran), hence the look at submitit."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        import submitit
-
-        return int(submitit.JobEnvironment().global_rank)
-    return 0
 
 
 _job_store: dist.TCPStore | None = None
@@ -127,7 +116,7 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-def launch(cfg: dict[str, Any], run_dir: Path) -> int:
+def launch(cfg: RunConfig, run_dir: Path) -> int:
     """Train; returns the signal this launcher received that stopped the job (0: none), which
     the workers, who got it forwarded as SIGTERM, cannot know."""
     if under_torchrun():
@@ -137,10 +126,10 @@ def launch(cfg: dict[str, Any], run_dir: Path) -> int:
         except Exception as e:  # the traceback is in logs/rank<r>.log
             raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
         return 0
-    world = cfg["trainer"]["devices"]
-    store = loopback_store(world, timedelta(seconds=cfg["trainer"]["timeout_s"]))
+    world = cfg.trainer.devices
+    store = loopback_store(world, timedelta(seconds=cfg.trainer.timeout_s))
     _standard_start_method()
-    watch = Watch(cfg["trainer"]["timeout_s"])
+    watch = Watch(cfg.trainer.timeout_s)
     watching = threading.current_thread() is threading.main_thread()  # signals: main only
     previous = ({sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
                 if watching else {})
@@ -181,7 +170,7 @@ def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-def _rank_main(rank: int, world: int, cfg: dict[str, Any], run_dir: str, port: int,
+def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
                report: Any) -> None:
     """A spawned rank. It gets SIGINT when the launcher dies (it checkpoints and stops, as a
     rank of torch's spawn does); its first error goes to the launcher through `report`, and it
@@ -215,7 +204,7 @@ class Watch:
         self.stopped: set[int] = set()  # of those, ranks found stopped (SIGSTOP)
         self.exit_order: list[int] = []
 
-    def start(self, world: int, cfg: dict[str, Any], run_dir: Path, port: int) -> None:
+    def start(self, world: int, cfg: RunConfig, run_dir: Path, port: int) -> None:
         """Spawn the ranks, each with a pipe to report its error on (text, never pickled: no
         error file in a shared temporary dir)."""
         ctx = multiprocessing.get_context("spawn")

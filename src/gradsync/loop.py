@@ -1,11 +1,14 @@
 """The training loop: micro-batches grouped into windows, one optimizer step per window.
 
 For every micro-batch the sync policy decides whether its forward+backward runs inside
-``no_sync()``. Each micro-batch's summed loss is divided by the number of samples its window
-holds on this rank (every rank holds the same number), and DDP averages over ranks, so each step
-applies the gradient of the mean loss over every sample of the window on every rank, a short
-last window included. Token-normalised losses, whose count is only known at the window's end,
-are rescaled once before the step (normalize.py).
+``no_sync()``. Each micro-batch's summed loss is divided by the number of real samples its
+window holds over all ranks, over the world size, and DDP averages over ranks, so each step
+applies the gradient of the mean loss over every real sample of the window on every rank, a
+short last window included. The samples the sampler repeats to give every rank the same number
+of micro-batches (data not a multiple of the world size) still run forward and backward (DDP's
+collectives must match) but are left out of the loss (schedules.Shard says which they are).
+Token-normalised losses, whose count is only known at the window's end, are rescaled once
+before the step (normalize.py).
 
 Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
 x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
@@ -32,15 +35,34 @@ from gradsync.comm import CommCounts
 from gradsync.data import epoch_batches
 from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
-from gradsync.normalize import SAMPLES, Normalizer
-from gradsync.policies import SyncPolicy, sync_context
+from gradsync.normalize import Normalizer
+from gradsync.policies import Policy, sync_context
 from gradsync.precision import Precision
-from gradsync.schedules import Window, plan_epoch
+from gradsync.schedules import Shard, Window, plan_epoch
+
+
+@dataclass
+class LoopSettings:
+    """The numbers the loop runs by (from trainer.*, the data and the schedule)."""
+
+    world_size: int
+    micro_batch_size: int
+    max_epochs: int
+    max_steps: int  # -1: no limit
+    total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    clip_grad_norm: float = 0.0  # 0: off
+    checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
+    check_finite: bool = False  # a non-finite loss stops the run (fp32)
+    check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
+    allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
 
 
 @dataclass
 class Parts:
-    """What the loop asks questions of; built by the worker from plain config."""
+    """The built objects the loop asks questions of (the worker builds them from the run's
+    config), its settings, and the worker's hooks."""
 
     ddp: DistributedDataParallel
     optimizer: torch.optim.Optimizer
@@ -48,28 +70,18 @@ class Parts:
     loader: DataLoader
     sampler: DistributedSampler
     schedule: Any  # .accum_steps(epoch) -> int
-    policy: SyncPolicy
+    policy: Policy
     precision: Precision
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> sum
+    loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     evaluate: Callable[[], dict[str, float]]
     counts: CommCounts
     device: torch.device
-    world_size: int
-    micro_batch_size: int
-    max_epochs: int
-    max_steps: int  # -1: no limit
-    total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
-    log_every: int
-    eval_every: int  # 0: only at the end
-    clip_grad_norm: float  # 0: off
-    normalizer: Normalizer = SAMPLES  # what each micro-batch's summed loss is divided by
-    allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
-    # --- checkpoints and faults (the worker fills these; the defaults train without them)
+    s: LoopSettings
+    normalizer: Normalizer  # what each micro-batch's loss is divided by
+    # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
-    checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
     stop: StopAgreement | None = None  # None: signals are not watched
-    check_finite: bool = False  # a non-finite loss stops the run (fp32)
-    fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
+    after_window: list[Callable[[Parts, Progress, bool], None]] = field(default_factory=list)
 
 
 @dataclass
@@ -77,42 +89,63 @@ class Progress:
     step: int = 0  # optimizer steps applied (an AMP-skipped step is not one)
     windows: int = 0  # windows run = optimizer-step attempts, skipped ones included
     epoch: int = 0
-    samples_seen: int = 0  # over all ranks
+    samples_seen: int = 0  # over all ranks, the sampler's repeats not counted
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
     epoch_step: int = 0  # windows of the current epoch done: where a resumed epoch starts
-    micro_steps: int = 0  # micro-batches this rank ran
 
     @property
     def skipped_steps(self) -> int:
         return self.windows - self.step
 
-    def done(self, p: Parts) -> bool:
-        return self.epoch >= p.max_epochs or (p.max_steps >= 0 and self.step >= p.max_steps)
+    def done(self, s: LoopSettings) -> bool:
+        return self.epoch >= s.max_epochs or (s.max_steps >= 0 and self.step >= s.max_steps)
+
+
+class UnsyncedWindow(RuntimeError):
+    """A window reached its optimizer step without a synchronising backward: every rank would
+    step on its own gradients and the replicas would drift apart silently."""
 
 
 def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
-               policy: SyncPolicy, precision: Precision, loss_fn: Callable,
-               device: torch.device, norm: Normalizer = SAMPLES) -> torch.Tensor:
+               policy: Policy, precision: Precision, loss: Callable,
+               device: torch.device, norm: Normalizer) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
     in full). After each backward the policy may find the window doomed (an overflow on some
     rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
-    without compute, so the data order never depends on overflows."""
+    without compute, so the data order never depends on overflows. Only the window's first
+    ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
+    and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
+    loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
+    unless the policy keeps the replicas consistent itself (syncs_parameters)."""
     total = torch.zeros((), device=device)
     doomed = False
+    real_left = window.real
     for i in range(window.size):
         x, y = next(batches)
+        keep = min(real_left, len(y))
+        real_left -= keep
         if doomed:
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        divisor = norm.divisor(window, i, y)
-        with sync_context(ddp, policy.should_sync(i, window.size)):
+        x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
+        sync = policy.should_sync(i, window.size)
+        if i == window.size - 1 and not sync and not policy.syncs_parameters:
+            raise UnsyncedWindow(
+                f"sync policy {policy.name!r} ends a window of {window.size} micro-batches "
+                f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside "
+                "no_sync(): no gradient was all-reduced, so every rank would step on its own "
+                "gradients and the replicas drift apart. The last micro-batch of a window must "
+                "synchronise, or the policy must set syncs_parameters = True and average the "
+                "parameters itself")
+        with sync_context(ddp, sync):
             with precision.autocast():
-                loss = loss_fn(ddp(x), y) / divisor
-            precision.backward(loss)
-        total += loss.detach()
+                out = ddp(x)
+                sums, counts = loss(out if keep == len(out) else out[:keep], y)
+                micro = norm.micro_loss(window, i, sums, counts)
+            precision.backward(micro)
+        total += micro.detach()
         doomed = policy.window_doomed(ddp, i, window.size)
     if doomed:
         return torch.full((), float("nan"), device=device)
@@ -124,8 +157,8 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
     p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
     p.normalizer.before_step(p.ddp.parameters())
     norm = None
-    if p.clip_grad_norm > 0:
-        norm = float(clip_grad_norm_(p.ddp.parameters(), p.clip_grad_norm))
+    if p.s.clip_grad_norm > 0:
+        norm = float(clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm))
     elif want_norm:
         norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
     stepped = p.precision.step(p.optimizer)
@@ -156,9 +189,9 @@ class StepLog:
         if not self.rows:
             return
         losses = torch.stack(self.losses).double()
-        if self.p.world_size > 1:
+        if self.p.s.world_size > 1:
             dist.all_reduce(losses)
-            losses /= self.p.world_size
+            losses /= self.p.s.world_size
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
         bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
@@ -186,7 +219,7 @@ class StepLog:
             scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
         self.log.scalars(state.windows, scalars)
         self.rows, self.losses = [], []
-        if bad is not None and self.p.check_finite:
+        if bad is not None and self.p.s.check_finite:
             raise FloatingPointError(
                 f"non-finite training loss ({bad['loss']}) at optimizer step {bad['step']} "
                 "(fp32); stopped, the last good checkpoint stays in checkpoints/")
@@ -205,49 +238,75 @@ def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
     log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
 
 
+def check_replicas(ddp: DistributedDataParallel, step: int) -> None:
+    """A cheap cross-rank checksum of every parameter (its sum and sum of squares in float64,
+    gathered from every rank): replicas that should be equal are bitwise equal, so any
+    difference names a parameter that drifted (trainer.check_replicas)."""
+    named = list(ddp.module.named_parameters())
+    mine = torch.stack([torch.stack([q.detach().double().sum(), q.detach().double().square().sum()])
+                        for _, q in named]).cpu()
+    world = dist.get_world_size()
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    for rank in range(1, world):
+        differs = (every[rank] != every[0]).any(dim=1).nonzero()
+        if len(differs):
+            name = named[int(differs[0])][0]
+            raise RuntimeError(f"replicas differ after optimizer step {step}: parameter {name!r} "
+                               f"on rank {rank} is not rank 0's (trainer.check_replicas)")
+
+
 def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
     next window, skipping the samples already used) until done or until the ranks agree to
     stop (p.stop.agreed)."""
+    s = p.s
     steps = StepLog(p, log)
     steps.mark_t, steps.mark_samples = state.train_s, state.samples_seen
     stop = 0
-    while not state.done(p) and not stop:
+    while not state.done(s) and not stop:
         epoch, first = state.epoch, state.epoch_step
-        plan = plan_epoch(len(p.sampler), p.micro_batch_size, p.schedule.accum_steps(epoch))
-        batches = epoch_batches(p.loader, epoch, plan[first].start * p.micro_batch_size)
+        shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
+                      p.sampler.num_replicas)
+        plan = plan_epoch(shard, s.micro_batch_size, p.schedule.accum_steps(epoch))
+        batches = epoch_batches(p.loader, epoch, plan[first].start * s.micro_batch_size)
         for k in range(first, len(plan)):
             window = plan[k]
             t0 = time.perf_counter()
-            local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss_fn,
+            local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss,
                                     p.device, p.normalizer)
             lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.windows + 1) % p.log_every == 0
+            log_now = (state.windows + 1) % s.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)
             state.train_s += time.perf_counter() - t0
             state.windows += 1
             state.step += stepped
-            state.micro_steps += window.size
-            state.samples_seen += window.local_samples * p.world_size
+            state.samples_seen += window.global_real
             end_of_epoch = k == len(plan) - 1
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1
+            finished = state.done(s)
+            if finished:
+                p.policy.finish(p.ddp.module)  # e.g. local SGD ends with an averaging
+            else:
+                p.policy.after_window(p.ddp.module, state.windows)
             steps.add({"window": state.windows, "step": state.step, "epoch": epoch,
                        "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                        "stepped": stepped}, local_loss)
             if log_now:
                 steps.flush(state, norm)
-            if stepped and state.step == p.fail_at_step and dist.get_rank() == p.world_size - 1:
-                raise RuntimeError(f"injected failure after optimizer step {state.step} "
-                                   "(trainer.fail_at_step, a test aid)")
-            if p.eval_every and stepped and state.step % p.eval_every == 0:
+            for hook in p.after_window:
+                hook(p, state, stepped)
+            if (s.check_replicas and stepped and state.step % s.check_replicas == 0
+                    and p.policy.replicas_in_sync()):
+                check_replicas(p.ddp, state.step)
+            if s.eval_every and stepped and state.step % s.eval_every == 0:
                 evaluate(p, state, log)
             stop = p.stop.poll() if p.stop else 0
-            finished = state.done(p)
-            if stop or finished or (p.checkpoint_every and stepped
-                                    and state.step % p.checkpoint_every == 0):
+            if stop or finished or (s.checkpoint_every and stepped
+                                    and state.step % s.checkpoint_every == 0):
                 steps.flush(state, None)  # a checkpoint covers every row up to its step
-                if p.check_finite:
+                if s.check_finite:
                     require_finite_parameters(p.ddp, state.step)
                 p.checkpoint(p, state)
             if stop or finished:
@@ -255,6 +314,6 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     steps.flush(state, None)
     if p.stop:
         p.stop.close()
-    if not stop and not (p.eval_every and state.step and state.step % p.eval_every == 0):
+    if not stop and not (s.eval_every and state.step and state.step % s.eval_every == 0):
         evaluate(p, state, log)
     return state

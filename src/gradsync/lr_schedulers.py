@@ -1,4 +1,7 @@
-"""LR schedulers, stepped once per optimizer step (never per micro-batch)."""
+"""LR schedulers, stepped once per optimizer step (never per micro-batch). ``_target_``
+components (conf/lr_scheduler/): a callable taking the optimizer (and ``total_steps``, the run's
+optimizer steps, if it names it) plus its config's keyword arguments, returning a torch LR
+scheduler."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from gradsync.components import CheckContext, checks, require
 
 
 class WarmupCosine:
@@ -33,12 +38,20 @@ class Constant:
         return 1.0
 
 
-def build_lr_scheduler(cfg: dict[str, Any], optimizer: torch.optim.Optimizer,
-                       total_steps: int) -> LambdaLR:
-    if cfg["name"] == "cosine":
-        fn: Any = WarmupCosine(cfg["warmup_steps"], total_steps, cfg["min_lr_ratio"])
-    elif cfg["name"] == "none":
-        fn = Constant()
-    else:
-        raise ValueError(f"unknown lr_scheduler {cfg['name']!r}")
-    return LambdaLR(optimizer, fn)
+def _check_cosine(a: dict[str, Any], ctx: CheckContext) -> None:
+    require(a["warmup_steps"] >= 0, "lr_scheduler.warmup_steps", "an integer >= 0",
+            a["warmup_steps"])
+    require(0.0 <= a["min_lr_ratio"] <= 1.0, "lr_scheduler.min_lr_ratio", "a number in [0, 1]",
+            a["min_lr_ratio"])
+
+
+@checks(_check_cosine)
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 5,
+                  min_lr_ratio: float = 0.0) -> LambdaLR:
+    """Linear warm-up, then cosine decay to min_lr_ratio x lr at the run's last step."""
+    return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
+
+
+def constant(optimizer: torch.optim.Optimizer) -> LambdaLR:
+    """The optimizer's own learning rate throughout."""
+    return LambdaLR(optimizer, Constant())

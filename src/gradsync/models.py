@@ -1,19 +1,44 @@
-"""Models, built from plain config plus the data's input/output sizes."""
+"""The built-in models, ordinary ``_target_`` components (conf/model/): each is a class whose
+constructor takes its config's keyword arguments plus what it declares of the data's sizes
+(``in_dim``/``out_dim`` for feature data, ``vocab_size``/``max_len`` for token data)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsync.components import CheckContext, checks, require
+
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
 
+class ModelBuilder(Protocol):
+    """The model contract: a callable (usually an nn.Module class) returning an nn.Module. It
+    receives its config's keyword arguments plus those data sizes that it names among its
+    parameters: ``in_dim``, ``out_dim`` (feature data), ``vocab_size``, ``max_len`` (token
+    data); see data.DataBundle.sizes."""
+
+    def __call__(self, **kwargs: Any) -> nn.Module: ...
+
+
+def _check_mlp(a: dict[str, Any], ctx: CheckContext) -> None:
+    require(all(h >= 1 for h in a["hidden_sizes"]), "model.hidden_sizes",
+            "a list of integers >= 1", a["hidden_sizes"])
+    require(a["activation"] in ACTIVATIONS, "model.activation",
+            f"one of {', '.join(ACTIVATIONS)}", a["activation"])
+    require(0.0 <= a["dropout"] < 1.0, "model.dropout", "a number in [0, 1)", a["dropout"])
+
+
+@checks(_check_mlp)
 class MLP(nn.Sequential):
-    def __init__(self, in_dim: int, hidden_sizes: list[int], out_dim: int, activation: str,
-                 dropout: float = 0.0):
+    """A multi-layer perceptron on feature vectors."""
+
+    def __init__(self, in_dim: int, out_dim: int,
+                 hidden_sizes: list[int] | tuple[int, ...] = (128, 128),
+                 activation: str = "relu", dropout: float = 0.0):
         layers: list[nn.Module] = []
         for width in hidden_sizes:
             layers += [nn.Linear(in_dim, width), ACTIVATIONS[activation]()]
@@ -45,6 +70,14 @@ class Block(nn.Module):
         return h + self.mlp(self.ln2(h))
 
 
+def _check_transformer(a: dict[str, Any], ctx: CheckContext) -> None:
+    for key in ("n_layers", "n_heads", "mlp_ratio", "d_model"):
+        require(a[key] >= 1, f"model.{key}", "an integer >= 1", a[key])
+    require(a["d_model"] % a["n_heads"] == 0, "model.d_model",
+            f"a positive multiple of model.n_heads={a['n_heads']}", a["d_model"])
+
+
+@checks(_check_transformer)
 class Transformer(nn.Module):
     """Decoder-only causal language model: token ids [B, T] -> next-token logits [B, T, V].
 
@@ -52,8 +85,8 @@ class Transformer(nn.Module):
     causal mask alone keeps every real position from attending to it: no padding mask needed.
     Logits at padding positions are meaningless; their targets are ignored by the loss."""
 
-    def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layers: int,
-                 n_heads: int, mlp_ratio: int):
+    def __init__(self, vocab_size: int, max_len: int, d_model: int = 32, n_layers: int = 2,
+                 n_heads: int = 2, mlp_ratio: int = 4):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_len, d_model)
@@ -66,15 +99,3 @@ class Transformer(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln(h))
-
-
-def build_model(cfg: dict[str, Any], in_dim: int, out_dim: int, max_len: int = 0) -> nn.Module:
-    """in_dim/out_dim: features and outputs, or the vocabulary size twice for token data;
-    max_len: the longest token sequence (token data only)."""
-    if cfg["name"] == "mlp":
-        return MLP(in_dim, list(cfg["hidden_sizes"]), out_dim, cfg["activation"],
-                   cfg["dropout"])
-    if cfg["name"] == "transformer":
-        return Transformer(in_dim, max_len, cfg["d_model"], cfg["n_layers"], cfg["n_heads"],
-                           cfg["mlp_ratio"])
-    raise ValueError(f"unknown model {cfg['name']!r}")

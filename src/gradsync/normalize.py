@@ -2,22 +2,28 @@
 and, when that divisor could not be known in advance, the one gradient rescale before the
 optimizer step (``loss.normalize``).
 
-- ``samples``: the window's sample count on this rank, known in advance from the window plan and
-  equal on every rank; DDP's average over ranks completes the mean. No extra work at all.
+- ``samples``: the window's real sample count over all ranks, divided by the world size (DDP's
+  average over ranks completes the mean), known in advance from the window plan
+  (schedules.plan_epoch): the samples the DistributedSampler repeats to even out the ranks are
+  neither in the loss (the loop drops them) nor in the count. No communication at all. On
+  token data each sequence's own mean token loss counts as its sample loss.
 - ``tokens``: the global count of loss (non-padding) tokens in the window, over every
-  micro-batch and rank. Deferred: backward runs on the summed token loss over a constant (so
-  magnitudes stay near a per-token mean), each rank counts its tokens, one scalar all-reduce of
-  the count is launched before the window's last forward (it overlaps with the syncing
-  backward), and the gradients are rescaled once by world_size x constant / global_count after
-  the scaler's unscale and before clipping. No prefetch of the window.
+  micro-batch and rank (the sampler's repeats hold none). Deferred: backward runs on the summed
+  token loss over a constant (so magnitudes stay near a per-token mean), each rank counts its
+  tokens, one scalar all-reduce of the count is launched after the window's last forward (it
+  overlaps with the syncing backward), and the gradients are rescaled once by world_size x
+  constant / global_count after the scaler's unscale and before clipping. No prefetch.
 - ``micro_batch_mean``: every micro-batch's own mean, divided by the number of micro-batches,
   then averaged over ranks: the accumulation bug Transformers fixed in autumn 2024. Wrong on
   variable-length data; it exists only to measure that error.
+
+Each normaliser receives a micro-batch's per-sample loss sums and unit counts (the data
+contract, data.DataBundle.loss) and returns the scalar its backward runs on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -31,13 +37,15 @@ CHOICES = ("auto", "tokens", "samples", "micro_batch_mean")
 class Normalizer(Protocol):
     name: str
 
-    def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
-        """What micro-batch ``index`` of ``window`` (targets ``y``) divides its summed loss by."""
+    def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+        """The scalar micro-batch ``index`` of ``window`` runs its backward on, from its
+        per-sample loss sums and unit counts."""
         ...
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         """This rank's share of the window's loss (the mean over ranks is the window loss),
-        from the sum of the divided micro-batch losses."""
+        from the sum of the micro-batch losses."""
         ...
 
     def before_step(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -48,8 +56,17 @@ class Normalizer(Protocol):
 class BySamples:
     name = "samples"
 
-    def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
-        return window.local_samples
+    def __init__(self, world_size: int, per_unit: bool = False):
+        self.world_size = world_size
+        self.per_unit = per_unit  # token data: a sequence's loss is its mean token loss
+
+    def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+        if self.per_unit:
+            sums = sums / counts.clamp_min(1)
+        # ranks hold different numbers of real samples in an epoch's last window: DDP's mean
+        # over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples
+        return sums.sum() / (window.global_real / self.world_size)
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
@@ -58,22 +75,19 @@ class BySamples:
         pass
 
 
-SAMPLES = BySamples()
-
-
 class ByTokens:
     name = "tokens"
 
-    def __init__(self, count: Callable[[torch.Tensor], torch.Tensor], world_size: int,
-                 device: torch.device, tokens_per_sample: float):
-        self.count, self.world_size, self.tokens_per_sample = count, world_size, tokens_per_sample
+    def __init__(self, world_size: int, device: torch.device, tokens_per_sample: float):
+        self.world_size, self.tokens_per_sample = world_size, tokens_per_sample
         self.device = device
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
         self.constant = 1.0
         self.work: dist.Work | None = None
         self.factor: torch.Tensor | None = None
 
-    def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
+    def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
         if index == 0:
             self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
             self.work, self.factor = None, None
@@ -81,10 +95,11 @@ class ByTokens:
             # plan_epoch); the expected local token count keeps the backward's magnitudes
             # (and the fp16 scaler) near those of a per-token mean.
             self.constant = window.local_samples * self.tokens_per_sample
-        self.tokens += self.count(y)
+        self.tokens += counts.sum()
         if index == window.size - 1 and self.world_size > 1:
+            # launched before the last backward, which it overlaps
             self.work = dist.all_reduce(self.tokens, async_op=True)
-        return self.constant
+        return sums.sum() / self.constant
 
     def _factor(self) -> torch.Tensor:
         if self.factor is None:
@@ -108,11 +123,10 @@ class ByTokens:
 class ByMicroBatchMean:
     name = "micro_batch_mean"
 
-    def __init__(self, count: Callable[[torch.Tensor], torch.Tensor | int]):
-        self.count = count
-
-    def divisor(self, window: Window, index: int, y: torch.Tensor) -> float | torch.Tensor:
-        return self.count(y) * window.size
+    def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+        # a micro-batch of repeats only: a loss of 0, not 0 / 0
+        return sums.sum() / (counts.sum().clamp_min(1) * window.size)
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
@@ -121,21 +135,19 @@ class ByMicroBatchMean:
         pass
 
 
-def resolve(name: str, task: str) -> str:
-    """``auto``: tokens on token data, samples otherwise."""
-    if name == "auto":
-        return "tokens" if task == "lm" else "samples"
-    return name
+def resolve(name: str, unit: str) -> str:
+    """``auto``: the data's own unit (tokens on token data, samples otherwise)."""
+    return unit if name == "auto" else name
 
 
-def build_normalizer(name: str, task: str, count: Callable, world_size: int,
-                     device: torch.device, tokens_per_sample: float) -> Normalizer:
-    """``count(y)``: the loss units (tokens, or samples) in a micro-batch's targets."""
-    name = resolve(name, task)
+def build_normalizer(name: str, unit: str, world_size: int, device: torch.device,
+                     tokens_per_sample: float) -> Normalizer:
+    """unit: what the data's loss counts (samples or tokens)."""
+    name = resolve(name, unit)
     if name == "samples":
-        return SAMPLES
+        return BySamples(world_size, per_unit=unit == "tokens")
     if name == "tokens":
-        return ByTokens(count, world_size, device, tokens_per_sample)
+        return ByTokens(world_size, device, tokens_per_sample)
     if name == "micro_batch_mean":
-        return ByMicroBatchMean(count)
+        return ByMicroBatchMean()
     raise ValueError(f"unknown loss.normalize {name!r}")

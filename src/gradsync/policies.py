@@ -1,6 +1,13 @@
 """Sync policies: asked for every micro-batch whether its forward+backward synchronises gradients
-(all-reduce) or runs inside ``ddp.no_sync()`` so they accumulate locally; a policy also chooses
-the all-reduce DDP runs and may take part in the overflow handling of fp16 training."""
+(all-reduce) or runs inside ``ddp.no_sync()`` so they accumulate locally; a policy may also
+choose the all-reduce DDP runs, take part in fp16's overflow handling, or keep the replicas
+consistent itself by averaging parameters (local SGD).
+
+A policy is an ordinary ``_target_`` component (conf/sync/): any class with ``should_sync``.
+Every other member of the ``SyncPolicy`` protocol is optional; ``Policy`` wraps the object and
+answers for what it leaves out. The built-ins are composed from small parts (the boundary rule,
+the wire, overflow consensus), not from one another.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,12 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
 from gradsync.comm import InnerHook, allreduce_in
+from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
 
@@ -26,12 +35,19 @@ class OverflowCounts:
 
 
 class SyncPolicy(Protocol):
-    name: str
-    overflow: OverflowCounts
+    """The contract. Only ``should_sync`` is required; ``Policy`` supplies the rest."""
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
-        """micro_index counts from 0 inside the current window of window_size micro-batches."""
+        """micro_index counts from 0 inside the current window of window_size micro-batches.
+        The last micro-batch of a window must synchronise (the all-reduce of the accumulated
+        gradients is what keeps the replicas equal), unless ``syncs_parameters``."""
         ...
+
+    # --- optional ---------------------------------------------------------------------------
+    # name: str                      shown in summary.json (default: the class name)
+    # syncs_parameters: bool         True: the policy keeps the replicas consistent itself
+    #                                (averaging parameters); windows may then end unsynchronised
+    # overflow: OverflowCounts       counters of the overflow handling
 
     def comm_hook(self) -> InnerHook:
         """The all-reduce DDP runs on a syncing backward (the counting hook wraps it)."""
@@ -52,29 +68,130 @@ class SyncPolicy(Protocol):
         """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
         ...
 
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
+        """On every rank after each window's optimizer step (taken or skipped); windows_done
+        counts the windows completed so far, the same on every rank."""
+        ...
 
-class PlainSync:
-    """What a policy that neither changes the all-reduce nor looks at overflows answers."""
+    def finish(self, model: nn.Module) -> None:
+        """At the end of training, before the final evaluation and checkpoint."""
+        ...
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every rank holds the same parameters now (trainer.check_replicas asks)."""
+        ...
+
+
+class Policy:
+    """A policy object seen through the whole protocol: what it implements is called, what it
+    leaves out gets the answer of a policy that neither changes the all-reduce, looks at
+    overflows, nor averages parameters."""
+
+    def __init__(self, impl: Any):
+        self.impl = impl
+        self.name: str = getattr(impl, "name", type(impl).__name__)
+        self.syncs_parameters = bool(getattr(impl, "syncs_parameters", False))
+        self.overflow: OverflowCounts = getattr(impl, "overflow", None) or OverflowCounts()
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return bool(self.impl.should_sync(micro_index, window_size))
+
+    def comm_hook(self) -> InnerHook:
+        hook = getattr(self.impl, "comm_hook", None)
+        return hook() if hook else allreduce_in(None)
+
+    def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
+                      window_size: int) -> bool:
+        doomed = getattr(self.impl, "window_doomed", None)
+        return bool(doomed(ddp, micro_index, window_size)) if doomed else False
+
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        """Default: nothing. After a full all-reduce every rank holds the same gradients, so the
+        scaler finds the same inf/nan everywhere."""
+        agree = getattr(self.impl, "agree_on_overflow", None)
+        if agree:
+            agree(found_inf)
+
+    def after_step(self, stepped: bool) -> None:
+        if hasattr(self.impl, "after_step"):
+            self.impl.after_step(stepped)
+
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
+        if hasattr(self.impl, "after_window"):
+            self.impl.after_window(model, windows_done)
+
+    def finish(self, model: nn.Module) -> None:
+        if hasattr(self.impl, "finish"):
+            self.impl.finish(model)
+
+    def replicas_in_sync(self) -> bool:
+        in_sync = getattr(self.impl, "replicas_in_sync", None)
+        return bool(in_sync()) if in_sync else not self.syncs_parameters
+
+
+def last_micro_batch(micro_index: int, window_size: int) -> bool:
+    """The boundary of accumulation: only a window's last micro-batch (a short last window
+    included) synchronises."""
+    return micro_index == window_size - 1
+
+
+class Compression:
+    """What a policy's all-reduce sends: the bucket (in its dtype or a wire dtype), or PowerSGD
+    factors. One place answers which dtype goes on the wire."""
+
+    def __init__(self, wire_dtype: torch.dtype | None = None, powersgd: PowerSGD | None = None):
+        self.wire_dtype, self.powersgd = wire_dtype, powersgd
+
+    def comm_hook(self) -> InnerHook:
+        if self.powersgd is None:
+            return allreduce_in(self.wire_dtype)
+        return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes)
+
+    def after_step(self, stepped: bool) -> None:
+        if self.powersgd is not None and not stepped:
+            self.powersgd.forget()  # its memory of the skipped window holds inf/nan
+
+
+def make_wire(name: str, rank: int, start_step: int,
+              wire_dtype: torch.dtype | None = None) -> Compression:
+    return Compression(wire_dtype, build_powersgd(rank, start_step) if name == "powersgd"
+                       else None)
+
+
+class OverflowConsensus:
+    """fp16 with a GradScaler: after every no_sync backward each rank checks its accumulated
+    gradients for inf/nan and one MAX all-reduce of that flag tells every rank whether any rank
+    has one. Such a window cannot step (the scaler would skip it), so the rest of its compute
+    and its full-gradient all-reduce are skipped. At the window's end the scaler's own inf/nan
+    flags are MAX all-reduced too, so every rank skips (and backs off the scale) or steps alike,
+    aborted windows included, where only some ranks hold the overflow locally."""
 
     def __init__(self) -> None:
         self.overflow = OverflowCounts()
 
-    def comm_hook(self) -> InnerHook:
-        return allreduce_in(None)
-
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:
-        return False
+        if last_micro_batch(micro_index, window_size):
+            return False  # the last backward synced: agree_on_overflow settles that window
+        grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+        flag = (~torch.isfinite(get_total_norm(grads, norm_type=float("inf")))).float()
+        self._max_over_ranks(flag)
+        if not flag.item():
+            return False
+        self.overflow.aborted_windows += 1
+        self.overflow.allreduce_skipped += 1  # the window's last, synchronising backward
+        return True
 
     def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        """Nothing to do: after a full all-reduce every rank holds the same gradients, so the
-        scaler finds the same inf/nan everywhere."""
+        for flag in found_inf:
+            self._max_over_ranks(flag)
 
-    def after_step(self, stepped: bool) -> None:
-        pass
+    def _max_over_ranks(self, flag: torch.Tensor) -> None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.overflow.flag_allreduces += 1
 
 
-class AlwaysSync(PlainSync):
+class AlwaysSync:
     """Every backward all-reduces; the baseline that accumulation saves against."""
 
     name = "always"
@@ -83,89 +200,85 @@ class AlwaysSync(PlainSync):
         return True
 
 
-class AccumulateSync(PlainSync):
+def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
+    require(a["compression"] in ("none", "powersgd"), "sync.compression", "none or powersgd",
+            a["compression"])
+    require(a["powersgd_rank"] >= 1, "sync.powersgd_rank", "an integer >= 1",
+            a["powersgd_rank"])
+    require(a["powersgd_start_step"] >= 2, "sync.powersgd_start_step",
+            "an integer >= 2 (torch's PowerSGD with error feedback)", a["powersgd_start_step"])
+    if a["compression"] == "powersgd" and ctx.provided.get("allreduce") == "shared_memory":
+        raise ConfigError("sync.compression=powersgd all-reduces through the process group: "
+                          "use trainer.allreduce=auto or process_group")
+
+
+@checks(_check_compression)
+class AccumulateSync:
     """Only the last micro-batch of each window (a short last window included) all-reduces;
-    with powersgd, rank-r factors of the gradients instead of the gradients (approximate)."""
+    with compression=powersgd, rank-r factors of the gradients instead of the gradients
+    (approximate)."""
 
     name = "accumulate"
 
-    def __init__(self, powersgd: PowerSGD | None = None):
-        super().__init__()
-        self.powersgd = powersgd
-
-    def comm_hook(self) -> InnerHook:
-        if self.powersgd is None:
-            return allreduce_in(None)
-        return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes)
-
-    def after_step(self, stepped: bool) -> None:
-        if self.powersgd is not None and not stepped:
-            self.powersgd.forget()  # its memory of the skipped window holds inf/nan
+    def __init__(self, compression: str = "none", powersgd_rank: int = 4,
+                 powersgd_start_step: int = 10):
+        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step)
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
-        return micro_index == window_size - 1
+        return last_micro_batch(micro_index, window_size)
+
+    def comm_hook(self) -> InnerHook:
+        return self.wire.comm_hook()
+
+    def after_step(self, stepped: bool) -> None:
+        self.wire.after_step(stepped)
 
 
-class AmpAwareSync(AccumulateSync):
+def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
+    require(a["comm_dtype"] in DTYPES, "sync.comm_dtype", f"one of {', '.join(DTYPES)}",
+            a["comm_dtype"])
+    if a["comm_dtype"] == "fp16" and ctx.precision != "fp16":
+        raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not "
+                          f"{ctx.precision!r}: only its GradScaler catches an overflow of the "
+                          "fp16 all-reduce; use bf16 or fp32")
+    _check_compression(a, ctx)
+    if a["compression"] == "powersgd" and a["comm_dtype"] != "fp32":
+        raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
+                          f"sync.comm_dtype=fp32 (not {a['comm_dtype']!r})")
+
+
+@checks(_check_amp_aware)
+class AmpAwareSync:
     """accumulate's window boundaries, with the gradients all-reduced in bf16 (or fp16) and,
-    when the fp16 GradScaler runs, overflow consensus.
-
-    Consensus: after every no_sync backward each rank checks its accumulated gradients for
-    inf/nan and one MAX all-reduce of that flag tells every rank whether any rank has one. Such
-    a window cannot step (the scaler would skip it), so the rest of its compute and its
-    full-gradient all-reduce are skipped. At the window's end the scaler's own inf/nan flags are
-    MAX all-reduced too, so every rank skips (and backs off the scale) or steps alike, aborted
-    windows included, where only some ranks hold the overflow locally."""
+    when the fp16 GradScaler runs, overflow consensus (OverflowConsensus)."""
 
     name = "amp_aware"
 
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
-                 uses_scaler: bool = False, powersgd: PowerSGD | None = None):
-        super().__init__(powersgd)
-        self.wire_dtype = DTYPES[comm_dtype]
-        self.consensus = overflow_consensus and uses_scaler
+                 compression: str = "none", powersgd_rank: int = 4,
+                 powersgd_start_step: int = 10, uses_scaler: bool = False):
+        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step,
+                              DTYPES[comm_dtype])
+        self.consensus = OverflowConsensus() if overflow_consensus and uses_scaler else None
+        self.overflow = self.consensus.overflow if self.consensus else OverflowCounts()
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return last_micro_batch(micro_index, window_size)
 
     def comm_hook(self) -> InnerHook:
-        return super().comm_hook() if self.powersgd else allreduce_in(self.wire_dtype)
+        return self.wire.comm_hook()
+
+    def after_step(self, stepped: bool) -> None:
+        self.wire.after_step(stepped)
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:
-        if not self.consensus or micro_index == window_size - 1:
-            return False  # the last backward synced: agree_on_overflow settles that window
-        grads = [p.grad for p in ddp.parameters() if p.grad is not None]
-        local_bad = ~torch.isfinite(get_total_norm(grads, norm_type=float("inf")))
-        flag = local_bad.float()
-        self._max_over_ranks(flag)
-        if not flag.item():
-            return False
-        self.overflow.aborted_windows += 1
-        self.overflow.allreduce_skipped += sum(
-            self.should_sync(j, window_size) for j in range(micro_index + 1, window_size))
-        return True
+        return self.consensus is not None and self.consensus.window_doomed(ddp, micro_index,
+                                                                           window_size)
 
     def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        if self.consensus:
-            for flag in found_inf:
-                self._max_over_ranks(flag)
-
-    def _max_over_ranks(self, flag: torch.Tensor) -> None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.overflow.flag_allreduces += 1
-
-
-POLICIES: dict[str, type] = {"always": AlwaysSync, "accumulate": AccumulateSync,
-                             "amp_aware": AmpAwareSync}
-
-
-def build_policy(cfg: dict[str, Any], uses_scaler: bool = False) -> SyncPolicy:
-    """uses_scaler: the run trains in fp16 with a GradScaler (amp_aware then checks overflows)."""
-    psgd = (build_powersgd(cfg["powersgd_rank"], cfg["powersgd_start_step"])
-            if cfg.get("compression", "none") == "powersgd" else None)
-    if cfg["name"] == "amp_aware":
-        return AmpAwareSync(cfg["comm_dtype"], cfg["overflow_consensus"], uses_scaler, psgd)
-    if cfg["name"] == "accumulate":
-        return AccumulateSync(psgd)
-    return POLICIES[cfg["name"]]()
+        if self.consensus is not None:
+            self.consensus.agree_on_overflow(found_inf)
 
 
 def sync_context(ddp: DistributedDataParallel, sync: bool):

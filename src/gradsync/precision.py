@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from typing import Any
 
 import torch
+
+from gradsync.settings import PrecisionConfig
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,6 +82,6 @@ class Precision:
         return self.scaler.get_scale() if self.scaler else 1.0
 
 
-def build_precision(cfg: dict[str, Any], device_type: str) -> Precision:
-    return Precision(cfg["name"], device_type, cfg["init_scale"], cfg["growth_interval"],
-                     cfg["growth_factor"], cfg["backoff_factor"])
+def build_precision(cfg: PrecisionConfig, device_type: str) -> Precision:
+    return Precision(cfg.name, device_type, cfg.init_scale, cfg.growth_interval,
+                     cfg.growth_factor, cfg.backoff_factor)

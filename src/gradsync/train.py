@@ -25,8 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradsync import sweep
 from gradsync.checkpoint import ResumeError, resolve_resume
+from gradsync.components import cwd_importable
 from gradsync.config import (
+    RUNTIME,
     ConfigError,
+    accepted_keys,
     register_configs,
     resolve_world_size,
     schema_keys,
@@ -38,14 +41,15 @@ from gradsync.launch import (
     Interrupted,
     WorkerFailed,
     adopt_submitit_ranks,
-    job_rank,
     launch,
     rank0_now,
     under_torchrun,
 )
 from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
+from gradsync.ranks import is_rank0
 from gradsync.repro import run_info, write_run_info
 from gradsync.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
+from gradsync.settings import RunConfig
 from gradsync.worker import pick_backend
 
 register_configs()
@@ -53,10 +57,38 @@ register_configs()
 # rank 0's clock and lets only rank 0 write Hydra's own files (.hydra/, the job's log file).
 OmegaConf.register_new_resolver("rank0_now", rank0_now, use_cache=True, replace=True)
 OmegaConf.register_new_resolver(
-    "if_rank0", lambda value, other: value if job_rank() == 0 else other, replace=True)
+    "if_rank0", lambda value, other: value if is_rank0() else other, replace=True)
 # Hydra's files go to a dir of this start's own until it is accepted (rundir.py)
 OmegaConf.register_new_resolver("hydra_staging", staging_name, replace=True)
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
+
+
+def conf_dir() -> str:
+    """The configs: the repo's top-level conf/ when running from a source checkout (an editable
+    install: people read and edit them there), else the copy shipped inside the package."""
+    repo_conf = Path(__file__).resolve().parents[2] / "conf"
+    if (repo_conf / "config.yaml").is_file():
+        return str(repo_conf)
+    return str(Path(__file__).resolve().parent / "conf")
+
+
+CONF_DIR = conf_dir()
+
+
+# Mappings an override replaces whole (Hydra merges `key={...}` into the existing mapping, and
+# refuses a new key of it in struct mode): `key={0:2,3:8}` becomes `key=null ++key={0:2,3:8}`.
+REPLACED_MAPPINGS = ("schedule.accum_steps_by_epoch",)
+
+
+def replace_mappings(overrides: list[str]) -> list[str]:
+    out = []
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key in REPLACED_MAPPINGS and value.startswith("{") and value.endswith("}") \
+                and "},{" not in value.replace(" ", ""):
+            out += [f"{key}=null", f"++{key}={value}"]
+        else:
+            out.append(arg)
+    return out
 
 
 def compose_plain(overrides: list[str]) -> dict:
@@ -65,7 +97,7 @@ def compose_plain(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_plain(compose("config", overrides=overrides))
+        return to_plain(compose("config", overrides=replace_mappings(overrides)))
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -76,7 +108,7 @@ def hydra_main(cfg: DictConfig) -> dict:
     staged = run_dir / hc.output_subdir if hc.output_subdir else None
     try:
         # rank 0 holds the run dir; Hydra's files become its .hydra/ once the start is accepted
-        with Claim(run_dir, staged, lock=job_rank() == 0) as claim:
+        with Claim(run_dir, staged, lock=is_rank0()) as claim:
             return _start(cfg, hc.mode, run_dir, claim)
     except RunDirBusy as e:
         return _fail(hc.mode, run_dir, "run dir in use", str(e), 2, record=False)
@@ -86,36 +118,51 @@ def _start(cfg: DictConfig, mode: RunMode | None, run_dir: Path, claim: Claim) -
     try:
         plain = to_plain(cfg)
         validate(plain, torch.cuda.is_available())
+    except Exception as e:  # a component's own check may raise anything: still one line
+        if _traceback_wanted():
+            raise
+        message = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+        return _refuse(mode, run_dir, claim, "config error", _first_line(message))
+    try:
         _resolve_resume(plain, run_dir)
-    except (ConfigError, ResumeError) as e:
-        new = _is_new(run_dir)
-        if mode == RunMode.RUN:
-            remove_if_unused(run_dir)
-        elif new:
-            claim.accept()  # a sweep lists its failed job from the job's .hydra/
-        kind = "config error" if isinstance(e, ConfigError) else "resume refused"
-        return _fail(mode, run_dir, kind, str(e), 2, record=new)
+    except ResumeError as e:
+        return _refuse(mode, run_dir, claim, "resume refused", str(e))
     claim.accept()
     try:
         return _train(plain, mode, run_dir)
     except Exception as e:  # a full disk, say: reported as what it is, not as a config error
-        if FULL_ERROR:
+        if _traceback_wanted():
             raise
         return _fail(mode, run_dir, "error", f"{type(e).__name__}: {e}", 1)
 
 
+def _refuse(mode: RunMode | None, run_dir: Path, claim: Claim, kind: str, message: str) -> dict:
+    """A start refused before training: a new run dir goes (a sweep keeps the job's .hydra/ to
+    list it as failed), an earlier run's files stay as they were."""
+    new = _is_new(run_dir)
+    if mode == RunMode.RUN:
+        remove_if_unused(run_dir)
+    elif new:
+        claim.accept()
+    return _fail(mode, run_dir, kind, message, 2, record=new)
+
+
+def _traceback_wanted() -> bool:
+    return os.environ.get("GRADSYNC_TRACEBACK") == "1"
+
+
 def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
-    if job_rank() == 0:
+    if is_rank0():
         _write_run_info(plain, run_dir)
     started = time.perf_counter()
     try:
-        signum = launch(plain, run_dir)
+        signum = launch(RunConfig.from_plain(plain), run_dir)
     except WorkerFailed as e:
         return _fail(mode, run_dir, "training failed", str(e), 1)
     except Interrupted as e:
         print(f"gradsync: {e}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
-    if job_rank() != 0:
+    if not is_rank0():
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
     if signum and summary["status"] == "interrupted":  # the workers got it as SIGTERM
@@ -130,13 +177,18 @@ def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
     return summary
 
 
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines[:1]) or "unknown error"
+
+
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
           record: bool = True) -> dict:
     """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
     goes on (SweepSummary makes it exit 1 at the end). record=False leaves the run dir's
     summary.json alone."""
     failed = {"status": "failed", "error": f"{kind}: {message}"}
-    if record and run_dir.is_dir() and job_rank() == 0:
+    if record and run_dir.is_dir() and is_rank0():
         try:
             write_json_atomic(run_dir / "summary.json", failed)
         except OSError:  # a full disk: the line below says what went wrong
@@ -182,7 +234,7 @@ def _resolve_resume(plain: dict, run_dir: Path) -> None:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
     plain["resume"] = str(path) if path else "none"
-    if path and job_rank() == 0:
+    if path and is_rank0():
         print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
 
 
@@ -224,6 +276,11 @@ def one_line(exc: BaseException) -> str:
     full_key = re.search(r"full_key: (\S+)", text)
     if full_key and re.search(r"Key '[^']+' (is )?not in", text):
         obj = re.search(r"object_type=(\w+)", text)
+        group = full_key.group(1).split(".")[0]
+        if obj and obj.group(1) == "dict" and group in RUNTIME:
+            node = _chosen_option(group)
+            return (f"{full_key.group(1)}: unknown key for {node.get('_target_')}; accepted "
+                    f"keys: {accepted_keys(group, node)}")
         keys = schema_keys(obj.group(1)) if obj else []
         return f"{full_key.group(1)}: unknown key; allowed keys: {', '.join(keys)}"
     if full_key:
@@ -232,8 +289,24 @@ def one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+def _chosen_option(group: str) -> dict:
+    """The YAML of a component group's option chosen on the command line (else the default):
+    for an error message about one of its keys."""
+    import yaml
+
+    option = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith(f"{group}=")),
+                  None)
+    if option is None:
+        defaults = yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text())["defaults"]
+        option = next((d[group] for d in defaults if isinstance(d, dict) and group in d), "")
+    path = Path(CONF_DIR) / group / f"{option}.yaml"
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, ValueError):
+        return {}
+
+
 MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
-FULL_ERROR = False  # the user asked for tracebacks (HYDRA_FULL_ERROR=1)
 
 
 def main() -> None:
@@ -246,16 +319,24 @@ def main() -> None:
         sys.exit(2)
     # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
     # we then print one line ourselves, or the traceback if the user asked for it.
-    global FULL_ERROR
-    FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    if user_wants_traceback:
+        os.environ["GRADSYNC_TRACEBACK"] = "1"
+    if any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" and not a.split("=", 1)[1].strip()
+           for a in sys.argv[1:] if "=" in a):
+        print("gradsync: config error: hydra.run.dir='' is not allowed: a directory path (empty "
+              "would write into the current directory)", file=sys.stderr)
+        sys.exit(2)
+    cwd_importable()  # a user's own _target_ modules, next to where they run
+    sys.argv[1:] = replace_mappings(sys.argv[1:])
     try:
         hydra_main()
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except Exception as e:  # raised while Hydra composed the config
-        if FULL_ERROR:
+        if user_wants_traceback:
             raise
         print(f"gradsync: config error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

@@ -27,7 +27,7 @@ from gradsync.repro import config_hash
 def components(p: Parts) -> dict[str, Any]:
     candidates = {"model": p.ddp.module, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
-                  "policy": p.policy, "schedule": p.schedule}
+                  "policy": p.policy.impl, "schedule": p.schedule}
     return {k: v for k, v in candidates.items() if hasattr(v, "state_dict")}
 
 
@@ -58,15 +58,15 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     mine = {"rng": rng_state(),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
     rank = dist.get_rank()
-    ranks: list[Any] | None = [None] * p.world_size if rank == 0 else None
-    if p.world_size > 1:
+    ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
+    if p.s.world_size > 1:
         dist.gather_object(mine, ranks, dst=0, group=group)
     else:
         ranks = [mine]
     if rank != 0:
         return None
     out = {name: obj.state_dict() for name, obj in components(p).items()}
-    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
+    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
 

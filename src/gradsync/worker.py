@@ -18,18 +18,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint, trainstate
 from gradsync.comm import install_counting_hook
-from gradsync.config import build_optimizer
-from gradsync.data import build_data, evaluate, loss_sum, loss_units, train_loader
-from gradsync.faults import PROCESS_FLAG, StopAgreement, report_failure, signal_name
-from gradsync.loop import Parts, Progress, train
-from gradsync.lr_schedulers import build_lr_scheduler
+from gradsync.components import build
+from gradsync.data import DataBundle, evaluate, train_loader
+from gradsync.faults import (
+    PROCESS_FLAG,
+    StopAgreement,
+    inject_failure,
+    report_failure,
+    signal_name,
+)
+from gradsync.loop import LoopSettings, Parts, Progress, train
 from gradsync.metrics import RunLog, peak_rss_mb
-from gradsync.models import build_model
 from gradsync.normalize import build_normalizer
-from gradsync.policies import build_policy
+from gradsync.policies import Policy
 from gradsync.precision import build_precision
+from gradsync.ranks import is_rank0
 from gradsync.repro import seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
+from gradsync.settings import RunConfig
 from gradsync.shm_allreduce import over_shared_memory, shm_hook
 
 log = logging.getLogger("gradsync")
@@ -59,98 +65,91 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
-def build_parts(cfg: dict[str, Any], rank: int, world_size: int, device: torch.device) -> Parts:
-    """Everything the loop needs, from plain config, on an initialised process group."""
-    tr, dcfg, seed = cfg["trainer"], cfg["data"], cfg["seed"]
-    set_deterministic(tr["deterministic"], device.type)
+def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device) -> Parts:
+    """Everything the loop needs, built from the run's config, on an initialised process
+    group. Components come from their ``_target_``; each gets the run-time arguments it names."""
+    tr, seed, micro = cfg.trainer, cfg.seed, cfg.micro_batch_size
+    set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
-    data = build_data(dcfg, seed)
-    micro = dcfg["micro_batch_size"]
+    data: DataBundle = build(cfg.data, {"seed": seed}, extra=("micro_batch_size",))
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
-                                   tr["num_workers"])
-    model = build_model(cfg["model"], data.in_dim, data.out_dim, data.max_len).to(device)
+                                   tr.num_workers)
+    model = build(cfg.model, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=tr["gradient_as_bucket_view"],
-        bucket_cap_mb=tr["bucket_cap_mb"],
+        gradient_as_bucket_view=tr.gradient_as_bucket_view,
+        bucket_cap_mb=tr.bucket_cap_mb,
     )
-    precision = build_precision(cfg["precision"], device.type)
-    policy = build_policy(cfg["sync"], uses_scaler=precision.scaler is not None)
+    precision = build_precision(cfg.precision, device.type)
+    policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
+                                     "world_size": world_size}))
     inner = policy.comm_hook()
-    allreduce = tr.get("allreduce", "auto")  # configs built by hand (tests) may lack it
-    if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
-        inner = over_shared_memory(inner, list(ddp.parameters()), allreduce)
+    if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
+        inner = over_shared_memory(inner, list(ddp.parameters()), tr.allreduce)
     counts = install_counting_hook(ddp, inner)
     transport = "shared_memory" if inner.hook is shm_hook else "process_group"
-    optimizer = build_optimizer(cfg["optimizer"], ddp.parameters())
-    schedule = build_schedule(cfg["schedule"], world_size, micro)
-    total = total_optimizer_steps(schedule, tr["max_epochs"], tr["max_steps"], len(sampler), micro)
-    # configs built by hand (tests) may lack the loss group: auto, as its default
-    normalizer = build_normalizer(cfg.get("loss", {}).get("normalize", "auto"), data.task,
-                                  lambda y: loss_units(data.task, y), world_size, device,
+    optimizer = build(cfg.optimizer)(ddp.parameters())
+    schedule = build_schedule(cfg.schedule, world_size, micro)
+    total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
+    normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
                                   data.tokens_per_sample)
-    per_sequence = normalizer.name == "samples"  # token data: every sequence weighs the same
+    settings = LoopSettings(
+        world_size=world_size, micro_batch_size=micro, max_epochs=tr.max_epochs,
+        max_steps=tr.max_steps, total_steps=total, log_every=tr.log_every,
+        eval_every=tr.eval_every, clip_grad_norm=tr.clip_grad_norm,
+        checkpoint_every=tr.checkpoint_every, check_finite=precision.name == "fp32",
+        check_replicas=tr.check_replicas if world_size > 1 else 0, allreduce=transport)
     return Parts(
         ddp=ddp,
         optimizer=optimizer,
-        lr_scheduler=build_lr_scheduler(cfg["lr_scheduler"], optimizer, total),
+        lr_scheduler=build(cfg.lr_scheduler, {"optimizer": optimizer, "total_steps": total}),
         loader=loader,
         sampler=sampler,
         schedule=schedule,
         policy=policy,
         precision=precision,
-        loss_fn=lambda out, y: loss_sum(data.task, out, y, per_sequence),
-        evaluate=lambda: evaluate(ddp.module, data.eval, data.task, rank, world_size, device,
-                                  collate=data.collate),
+        loss=data.loss,
+        evaluate=lambda: evaluate(ddp.module, data, rank, world_size, device),
         counts=counts,
         device=device,
-        world_size=world_size,
-        micro_batch_size=micro,
-        max_epochs=tr["max_epochs"],
-        max_steps=tr["max_steps"],
-        total_steps=total,
-        log_every=tr["log_every"],
-        eval_every=tr["eval_every"],
-        clip_grad_norm=tr["clip_grad_norm"],
+        s=settings,
         normalizer=normalizer,
-        allreduce=transport,
-        checkpoint_every=tr["checkpoint_every"],
-        check_finite=precision.name == "fp32",
-        fail_at_step=tr["fail_at_step"],
     )
 
 
-def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def run_training(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Train on the already initialised default process group; rank 0 writes the outputs.
     Returns the summary (on every rank)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     p = build_parts(cfg, rank, world_size, device)
-    tr = cfg["trainer"]
+    tr = cfg.trainer
     # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
     # is 30 minutes: use the job's)
-    control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=tr["timeout_s"]))
+    control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=tr.timeout_s))
                if world_size > 1 else None)
     ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
     def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
-        out = trainstate.capture(p, state, cfg, control)
+        out = trainstate.capture(p, state, cfg.plain, control)
         if out is not None:
-            checkpoint.write(out, ckpt_dir, tr["keep_checkpoints"])
+            checkpoint.write(out, ckpt_dir, tr.keep_checkpoints)
 
     p.checkpoint = save
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
+    if tr.fail_at_step >= 1:
+        p.after_window.append(inject_failure(tr.fail_at_step, rank == world_size - 1))
     try:
         resumed_from = resume_path(cfg, run_dir, world_size, control)
         state = Progress()
         if resumed_from is not None:
             state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
             log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
-        run_log = RunLog(run_dir, active=rank == 0, total_steps=p.total_steps,
-                         progress_bar=tr["progress_bar"], start_window=state.windows)
+        run_log = RunLog(run_dir, active=is_rank0(), total_steps=p.s.total_steps,
+                         progress_bar=tr.progress_bar, start_window=state.windows)
         try:
             state = train(p, state, run_log)
             summary = summarize(cfg, p, state)
@@ -163,7 +162,7 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             if p.stop.agreed:
                 log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
                          state.step)
-            if rank == 0 and newest:
+            if is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
             run_log.close()
@@ -173,15 +172,15 @@ def run_training(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int,
+def resume_path(cfg: RunConfig, run_dir: Path, world_size: int,
                 group: Any) -> Path | None:
     """The checkpoint every rank starts from: rank 0's choice. The job resolves `resume` to a
     path (or none) before it starts the workers; callers of run_training that pass `auto` get
     the same resolution here. Under torchrun each node's job resolved it on its own disk."""
-    resume = cfg["resume"]
+    resume = cfg.resume
     mine = None
     if resume == "auto":
-        mine = checkpoint.resolve_resume(resume, run_dir, cfg, world_size, notes=[])
+        mine = checkpoint.resolve_resume(resume, run_dir, cfg.plain, world_size, notes=[])
     elif resume != "none":
         mine = Path(resume)
     if world_size == 1:
@@ -198,15 +197,15 @@ def resume_path(cfg: dict[str, Any], run_dir: Path, world_size: int,
     return path
 
 
-def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
+def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
     mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
             o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
-    gathered: list[Any] = [None] * p.world_size
+    gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
-    accum = sorted({p.schedule.accum_steps(e) for e in range(p.max_epochs)})
+    accum = sorted({p.schedule.accum_steps(e) for e in range(p.s.max_epochs)})
     return {
         "optimizer_steps": state.step,
         "epochs_completed": state.epoch,
@@ -225,15 +224,15 @@ def summarize(cfg: dict[str, Any], p: Parts, state: Progress) -> dict[str, Any]:
         "amp_aborted_windows": [g[4] for g in gathered],
         "allreduce_skipped": [g[5] for g in gathered],
         "overflow_flag_allreduces": [g[6] for g in gathered],
-        "world_size": p.world_size,
+        "world_size": p.s.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
-        "micro_batch_size": p.micro_batch_size,
+        "micro_batch_size": p.s.micro_batch_size,
         "sync_policy": p.policy.name,
         "loss_normalize": p.normalizer.name,
         "precision": p.precision.name,
         "backend": dist.get_backend(),
-        "allreduce": p.allreduce,
-        "seed": cfg["seed"],
+        "allreduce": p.s.allreduce,
+        "seed": cfg.seed,
     }
 
 
@@ -251,20 +250,20 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
     return store
 
 
-def worker_main(rank: int, world_size: int, cfg: dict[str, Any], run_dir: str,
+def worker_main(rank: int, world_size: int, cfg: RunConfig, run_dir: str,
                 store_port: int | None) -> None:
     """Entry point of one rank (spawned by the launcher, or the torchrun process itself)."""
     PROCESS_FLAG.install()  # SIGTERM/SIGINT: finish the step, checkpoint, stop (faults.py)
     run_path = Path(run_dir)
     setup_logging(run_path, rank)
-    tr = cfg["trainer"]
+    tr = cfg.trainer
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    threads = tr["threads_per_worker"] or max(1, (os.cpu_count() or 1) // local_world)
+    threads = tr.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    backend = pick_backend(tr["backend"])
+    backend = pick_backend(tr.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    init_process_group(backend, rank, world_size, tr["timeout_s"], store_port)
+    init_process_group(backend, rank, world_size, tr.timeout_s, store_port)
     log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
              os.getpid())
     try:

@@ -1,0 +1,219 @@
+"""Components by ``_target_``: a config node ``{_target_: package.module.callable, **kwargs}``
+names a callable (a class or a function) and its keyword arguments. The worker adds what only
+it knows at run time (the model's sizes from the data, the optimizer's parameters, ...), and only
+the names the callable declares. Before any worker starts, ``check`` holds the node against the
+callable's own signature (as torchtune's config validation does): an unknown key, a missing
+one, a value of the wrong type, or a value the component's own ``check_config`` refuses is a
+``ConfigError`` naming the key and what is allowed.
+
+No Hydra here: components are plain Python; this module only locates and calls them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVED = ("_target_", "_partial_")
+
+
+class ConfigError(ValueError):
+    """Bad configuration: reported as one line naming the key and what is allowed."""
+
+
+def require(ok: bool, key: str, allowed: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={got!r} is not allowed: {allowed}")
+
+
+def checks(check: Callable[..., None]) -> Callable[[Any], Any]:
+    """Decorator: attach a component's own range checks, ``check(args, ctx)`` where ``args`` is
+    the keyword arguments it will get (defaults filled in) and ``ctx`` a ``CheckContext``. The
+    check raises ConfigError through ``require``."""
+
+    def attach(target: Any) -> Any:
+        target.check_config = check
+        return target
+
+    return attach
+
+
+@dataclass
+class CheckContext:
+    """What a component's check may look at besides its own arguments."""
+
+    group: str  # the config group, for error messages ("model", "sync", ...)
+    world_size: int = 1
+    precision: str = "fp32"
+    provided: dict[str, Any] = field(default_factory=dict)  # runtime arguments, when known
+
+
+def cwd_importable() -> None:
+    """A user's module next to where they run (like ``python -m``) can be a ``_target_``: the
+    console script does not put the working directory on sys.path, so put it last. Spawned
+    workers inherit sys.path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def locate(path: str, key: str = "_target_") -> Any:
+    """The object named by a dotted path ``package.module.attr`` (attr may be nested)."""
+    if not isinstance(path, str) or "." not in path:
+        raise ConfigError(f"{key}={path!r} is not allowed: a dotted path "
+                          "package.module.callable")
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name):
+                continue  # this prefix is no module: try a shorter one
+            raise ConfigError(f"{key}={path!r}: importing {module_name} failed: {e}") from None
+        except Exception as e:
+            raise ConfigError(f"{key}={path!r}: importing {module_name} failed: "
+                              f"{type(e).__name__}: {e}") from None
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            raise ConfigError(f"{key}={path!r}: {module_name} has no "
+                              f"{'.'.join(parts[cut:])}") from None
+        if not callable(obj):
+            raise ConfigError(f"{key}={path!r} is not callable")
+        return obj
+    raise ConfigError(f"{key}={path!r}: no module {parts[0]!r} (is it installed, or importable "
+                      "from the directory you run in?)")
+
+
+def parameters(target: Any) -> dict[str, inspect.Parameter]:
+    """The keyword-passable parameters of a callable (a class: its constructor's)."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return {}
+    return {n: p for n, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def takes_any_keyword(target: Any) -> bool:
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _hints(target: Any) -> dict[str, Any]:
+    fn = target.__init__ if inspect.isclass(target) else target
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # annotations that do not resolve here: no type check
+        return {}
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """A conservative type check: only plain scalars, lists and their unions are checked."""
+    if hint is Any or value is None and _is_optional(hint):
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(h, value) for h in typing.get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, Iterable) or hint in (list, tuple):
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:  # tuple[X, Y]: fixed length
+            return len(value) == len(args) and all(map(_accepts, args, value))
+        return not args or all(_accepts(args[0], v) for v in value)
+    return True  # anything else (dicts, classes, callables): the component checks it
+
+
+def _is_optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def check(group: str, node: dict[str, Any], runtime: Iterable[str],
+          ctx: CheckContext | None = None, extra: Iterable[str] = ()) -> Any:
+    """Hold a config node against its target's signature and the target's own check_config.
+    runtime: names the worker passes itself (they may not be set in the config); extra: keys of
+    the node that are not the target's (e.g. data.micro_batch_size, a loop setting). Returns the
+    target."""
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise ConfigError(f"{group}: needs a _target_ (package.module.callable) and its "
+                          "keyword arguments")
+    target = locate(node["_target_"], f"{group}._target_")
+    params = parameters(target)
+    runtime, extra = set(runtime), set(extra)
+    accepted = sorted(n for n in params if n not in runtime)
+    args = {k: v for k, v in node.items() if k not in RESERVED and k not in extra}
+    for key in args:
+        if key in runtime:
+            raise ConfigError(f"{group}.{key}: set by gradsync at run time, not in the config "
+                              f"(accepted keys: {', '.join(accepted)})")
+        if key not in params and not takes_any_keyword(target):
+            raise ConfigError(f"{group}.{key}: unknown key for {node['_target_']}; accepted "
+                              f"keys: {', '.join(accepted)}")
+    for name, p in params.items():
+        if p.default is p.empty and name not in args and name not in runtime \
+                and not node.get("_partial_"):
+            raise ConfigError(f"{group}.{name}: missing; {node['_target_']} requires it")
+    hints = _hints(target)
+    for key, value in args.items():
+        hint = hints.get(key)
+        if hint is not None and not _accepts(hint, value):
+            raise ConfigError(f"{group}.{key}={value!r} is not allowed: {node['_target_']} "
+                              f"takes {_type_name(hint)}")
+    own = getattr(target, "check_config", None)
+    if own is not None:
+        full = {n: p.default for n, p in params.items()
+                if p.default is not p.empty and n not in runtime}
+        full.update(args)
+        own(full, ctx or CheckContext(group))
+    return target
+
+
+def build(node: dict[str, Any], runtime: dict[str, Any] | None = None,
+          extra: Iterable[str] = ()) -> Any:
+    """Call the node's target with its keyword arguments plus those of ``runtime`` that the
+    target declares (a target that takes ``**kwargs`` gets them all). ``_partial_: true``
+    returns a functools.partial instead (the optimizer, which gets its parameters later)."""
+    import functools
+
+    target = locate(node["_target_"])
+    params = parameters(target)
+    anything = takes_any_keyword(target)
+    kwargs = {k: v for k, v in node.items() if k not in RESERVED and k not in set(extra)}
+    kwargs.update({k: v for k, v in (runtime or {}).items() if k in params or anything})
+    if node.get("_partial_"):
+        return functools.partial(target, **kwargs)
+    return target(**kwargs)
+
+
+def declares(node: dict[str, Any], name: str) -> bool:
+    """Whether the node's target takes ``name`` (by name, or through ``**kwargs``)."""
+    target = locate(node["_target_"])
+    return name in parameters(target) or takes_any_keyword(target)

@@ -1,0 +1,48 @@
+"""User-style components the tests name as `_target_`s (importable from the tests directory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync.components import CheckContext, checks
+
+
+def _divide_by_zero(args: dict[str, Any], ctx: CheckContext) -> None:
+    1 / 0  # noqa: B018  a component's own check that fails with something else than ConfigError
+
+
+@checks(_divide_by_zero)
+class CheckDividesByZero(nn.Linear):
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__(in_dim, out_dim)
+
+
+class NeverSync:
+    """The widely copied mistake: every backward inside no_sync(), nothing averaged."""
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return False
+
+
+class CorruptRank1After:
+    """accumulate, except that rank 1 nudges one parameter after window `window`: a replica
+    gone wrong, for trainer.check_replicas to catch."""
+
+    def __init__(self, window: int = 3):
+        self.window = window
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return micro_index == window_size - 1
+
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
+        if windows_done == self.window and torch.distributed.get_rank() == 1:
+            with torch.no_grad():
+                next(iter(model.parameters()))[0].add_(1e-3)
+
+
+def data_that_fails(test_fraction: float = 0.2, split_seed: int = 0):
+    """The digits' keys, but building it fails in every worker (after the config was checked)."""
+    raise ValueError("the data cannot be loaded (a test aid)")
