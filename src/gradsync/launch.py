@@ -1,12 +1,15 @@
 """Start a job's workers: spawn trainer.devices processes that meet at a TCPStore this process
-holds on a free port (no fixed 29500, no port race), or, when an outside engine already started
-one process per rank (torchrun, or a submitit job of several tasks), be one of the workers.
+holds on a free port of 127.0.0.1 (no fixed 29500, no port race, no other host), or, when an
+outside engine already started one process per rank (torchrun, or a submitit job of several
+tasks), be one of the workers.
 
 The launcher then watches the workers it spawned. When one fails, the others get a few seconds
-to exit on their own (a peer that went away breaks their next collective) and are then killed:
-no rank is left waiting in a collective, and the job ends with the rank that failed first and
-its error. A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish the
-optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
+to exit on their own (a peer that went away breaks their next collective) and are then killed
+(a stopped one at once): no rank is left waiting in a collective, and the job ends with the rank
+that failed first and its error, which each rank reports through a pipe of its own (text: no
+error file anyone could plant, nothing unpickled, nothing read from the store, which every local
+user can reach). A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish
+the optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
 """
 
 from __future__ import annotations
