@@ -7,10 +7,10 @@ ARGS   ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep bench clean distclean
+.PHONY: help install train test lint sweep bench gpu-check clean distclean
 
 help: ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
 install: $(STAMP) ## set-up only: .venv with pinned deps (torch==2.13.0 CPU) and gradsync editable
 
@@ -41,6 +41,13 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.lock
 
 bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Accelerate); BENCH_ARGS=--rounds 1
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# PY=python3: a machine whose python3 already has CUDA torch (no venv is built then); gradsync
+# comes from this checkout's src/ either way.
+PY ?= $(BIN)/python
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) ## GPU check (tests marked gpu, nccl, bf16/fp16, resume, LM tokens/s): outputs/gpu-check/report.md
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache

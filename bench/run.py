@@ -43,6 +43,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
     "gradsync accumulate + fused SGD": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),
+    # approximate: no gradient all-reduce; the models meet every 8 windows (docs/local-sgd.md)
+    "gradsync local_sgd H=8": ("gradsync_runs", "run",
+                               {"sync": "local_sgd", "overrides": ("sync.every=8",)}),
+    "gradsync diloco H=8": ("gradsync_runs", "run",
+                            {"sync": "diloco", "overrides": ("sync.every=8",)}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),
 }

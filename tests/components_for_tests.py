@@ -15,9 +15,9 @@ def _divide_by_zero(args: dict[str, Any], ctx: CheckContext) -> None:
 
 
 @checks(_divide_by_zero)
-class CheckDividesByZero(nn.Linear):
-    def __init__(self, in_dim: int, out_dim: int):
-        super().__init__(in_dim, out_dim)
+def data_whose_check_fails(test_fraction: float = 0.2, split_seed: int = 0):
+    """The digits' keys; its own check raises ZeroDivisionError."""
+    raise AssertionError("never built: the check refuses it first")
 
 
 class NeverSync:
@@ -43,6 +43,8 @@ class CorruptRank1After:
                 next(iter(model.parameters()))[0].add_(1e-3)
 
 
-def data_that_fails(test_fraction: float = 0.2, split_seed: int = 0):
-    """The digits' keys, but building it fails in every worker (after the config was checked)."""
+def data_that_fails(seed: int, num_samples: int = 2048, eval_samples: int = 512,
+                    in_dim: int = 32, out_dim: int = 8, noise: float = 0.05):
+    """data=synthetic's keys, but building it fails in every worker (after the config was
+    checked)."""
     raise ValueError("the data cannot be loaded (a test aid)")

@@ -64,6 +64,8 @@ def cli_environ() -> dict[str, str]:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "SUBMITIT_EXECUTOR"):
         env.pop(key, None)
+    for key in [k for k in env if k.startswith("SLURM_")]:  # the suite run inside a job
+        del env[key]
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

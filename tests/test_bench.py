@@ -43,3 +43,26 @@ def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
         assert f"| {v} |" in table
     assert "| 8 | gradsync accumulate / hand-written |" in table
     assert "| handwritten | " in table and "| 1.000 | " in table
+
+
+def test_the_model_averaging_rows_run_their_policy_every_8_windows():
+    """The bench's local SGD / DiLoCo rows compose (as the harness composes them) into the
+    policy they are named after (the full rows are too heavy for a test: make bench)."""
+    import importlib.util
+
+    from gradsync.components import build
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    import gradsync_runs
+
+    for name, policy in [("gradsync local_sgd H=8", "local_sgd"),
+                         ("gradsync diloco H=8", "diloco")]:
+        module, _, kwargs = harness.VARIANTS[name]
+        assert module == "gradsync_runs" and name in harness.SELF_COUNTING
+        cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
+        built = build(cfg["sync"])
+        assert (built.name, built.every, built.syncs_parameters) == (policy, 8, True)

@@ -28,6 +28,8 @@ from gradsync.metrics import keep_rows_through
 from gradsync.repro import config_hash, derive_seed, git_state, write_run_info
 from gradsync.trainstate import rng_state, set_rng_state
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(scope="module")
 def cfg():
@@ -188,10 +190,10 @@ def test_epochwise_keys_compare_equal_after_the_sidecar_json(tmp_path):
 def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in NumPy's state
-    torch.save({"rng": rng_state()}, tmp_path / "r.pt")
+    torch.save({"rng": rng_state(CPU)}, tmp_path / "r.pt")
     draws = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
+    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"], CPU)
     again = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
     assert draws[:2] == again[:2] and torch.equal(draws[2], again[2])
 

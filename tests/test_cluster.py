@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -183,6 +184,42 @@ def test_torchrun_failures_are_one_line_and_a_restart_gets_a_fresh_dir(tmp_path,
     assert "gradsync: config error: a multirun (-m) under torchrun is not supported" \
         in proc.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_plain_srun_tasks_form_one_job_that_trains_like_two_spawned_workers(
+        tmp_path, cli_env, basic_sweep):
+    """`srun --ntasks=2 gradsync-train ...` without SLURM: two processes with the variables
+    srun gives its tasks. Each becomes one rank (no spawning), they meet at the first host of
+    the nodelist, agree on one run dir named after the job, and train bitwise what
+    trainer.devices=2 trains. Under `taskset -c 0,1` each of the 2 ranks runs 1 thread."""
+    port = free_port()
+    job = str(port - 20000)  # whose derived port (slurm.port_for) is that free one
+    slurm_env = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+                 "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost"}
+    if not 20000 <= port < 60000:  # outside the derived range: as a user would, set it
+        slurm_env["MASTER_PORT"] = str(port)
+    job_args = [*JOB, "trainer.threads_per_worker=0"]  # from the CPUs each task may use
+    procs = [start(["taskset", "-c", "0,1", sys.executable, *TRAIN, *job_args], tmp_path,
+                   cli_env | slurm_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
+             for r in (0, 1)]
+    done = [finish(p) for p in procs]
+    for d in done:
+        assert d.returncode == 0, d.stderr
+    assert list((tmp_path / "outputs" / "runs").iterdir()) == [
+        tmp_path / "outputs" / "runs" / f"slurm-{job}"]
+    run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}"
+    assert sum(d.stdout.count("gradsync: outputs in") for d in done) == 1
+    assert files_under(run_dir) == files_under(basic_sweep / "0")
+    for rank in (0, 1):  # one rank per task, each up once: nothing spawned
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert log.count(f"rank {rank}/2 up: backend=gloo device=cpu threads=1") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["threads"] == [1, 1] and summary["world_size"] == 2
+    assert summary["device"] == (platform.processor() or platform.machine() or "cpu")
+    assert summary["peak_gpu_mem_mb"] is None
+    assert_same_training(run_dir, basic_sweep / "0")
 
 
 @pytest.mark.slow

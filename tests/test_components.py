@@ -22,7 +22,7 @@ from gradsync import checkpoint
 from gradsync.config import validate
 from gradsync.policies import Policy
 
-TINY = ["data=synthetic", "data.num_samples=96", "data.eval_samples=16", "data.in_dim=4",
+TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
@@ -90,7 +90,7 @@ def test_the_example_project_runs_from_its_own_directory(tmp_path, cli_env):
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("gradsync: config error: sync.warmup_windows=-1 is not "
                                       "allowed: an integer >= 0")
-    assert not (project / "out").exists()
+    assert not (project / "out" / "refused").exists()
     done = cli(["--config-dir", "conf", "experiment=cnn", "trainer.max_steps=5",
                 "sync.warmup_windows=2", "schedule.accum_steps=3", "trainer.progress_bar=false",
                 "trainer.threads_per_worker=1", "hydra.run.dir=out/run"], project, cli_env)

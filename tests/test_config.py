@@ -27,7 +27,8 @@ COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
               ("model", "transformer"): "data=synthetic_lm"}
 # what each built-in policy answers for the micro-batches of a window of 4
 SYNCS = {"always": [True] * 4, "accumulate": [False, False, False, True],
-         "amp_aware": [False, False, False, True]}
+         "amp_aware": [False, False, False, True],
+         "local_sgd": [False] * 4, "diloco": [False] * 4}  # no warm-up: every window local
 
 
 def options(group: str) -> list[str]:
@@ -196,7 +197,7 @@ BAD = [
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.policies.AccumulateSync; "
      "accepted keys: compression, powersgd_rank, powersgd_start_step"),
-    (["model._target_=components_for_tests.CheckDividesByZero"],
+    (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
     (["data.test_fraction=1.5"], "data.test_fraction=1.5 is not allowed: a number in (0, 1)"),
 ]

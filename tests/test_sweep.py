@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import shutil
 import struct
 import subprocess
@@ -229,18 +228,18 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
                                                                                cli_env):
     sweep_dir = tmp_path / "sweep"
     proc = multirun(sweep_dir, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                    "data=synthetic", "trainer.max_steps=3", "optimizer.lr=0.05,-1,0.1",
+                    "data=synthetic", "trainer.max_steps=3", "trainer.fail_at_step=-1,2,100",
                     env=cli_env)
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync:")]
     assert len(errors) == 2, proc.stderr
-    assert re.fullmatch(r"gradsync: training failed: rank [01] failed: "
-                        r"ValueError: Invalid learning rate: -1.0", errors[0])
+    assert errors[0] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
+                         "failure after optimizer step 2 (trainer.fail_at_step, a test aid)")
     assert errors[1] == f"gradsync: sweep: 1 of 3 jobs failed; see {sweep_dir}/sweep_summary.md"
 
     rows = csv_rows(sweep_dir)
-    assert [(r["optimizer.lr"], r["status"]) for r in rows] == \
-        [("0.05", "completed"), ("-1", "failed"), ("0.1", "completed")]
+    assert [(r["trainer.fail_at_step"], r["status"]) for r in rows] == \
+        [("-1", "completed"), ("2", "failed"), ("100", "completed")]
     assert rows[1]["error"] == errors[0].removeprefix("gradsync: ")
     assert rows[1]["final_train_loss"] == ""
     s0, failed, s2 = summaries(sweep_dir, 3)

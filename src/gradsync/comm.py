@@ -69,7 +69,9 @@ def counting_hook(
     return fut
 
 
-def install_counting_hook(ddp, inner: InnerHook | None = None) -> CommCounts:
-    counts = CommCounts()
+def install_counting_hook(ddp, inner: InnerHook | None = None,
+                          counts: CommCounts | None = None) -> CommCounts:
+    """counts: counters that other all-reduces of the run (a policy's averaging) also fill."""
+    counts = counts if counts is not None else CommCounts()
     ddp.register_comm_hook(CountingState(counts, inner or InnerHook()), counting_hook)
     return counts

@@ -172,7 +172,7 @@ def check_schedule(sched: dict[str, Any], world: int, micro: int) -> None:
 
 # What the worker passes each component itself (runtime arguments, never in the config).
 DATA_SIZES = ("in_dim", "out_dim", "vocab_size", "max_len")
-RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size"),
+RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size", "counts"),
            "optimizer": ("params",), "lr_scheduler": ("optimizer", "total_steps")}
 EXTRA = {"data": ("micro_batch_size",)}  # keys of a node that the loop reads, not the target
 
@@ -199,12 +199,14 @@ def check_components(cfg: dict[str, Any], world: int) -> None:
     provides = tuple(getattr(data, "sizes", DATA_SIZES))
     unit = getattr(data, "unit", "samples")
     # the model gets the data's sizes that it names: those are not config keys
-    model = check("model", cfg["model"], provides, replace(ctx, group="model"))
-    for name, p in parameters(model).items():
-        if name in DATA_SIZES and p.default is p.empty and name not in provides:
-            raise ConfigError(f"model: {cfg['model']['_target_']} needs {name}, which "
-                              f"data ({data_node['_target_']}) does not provide (it provides "
-                              f"{', '.join(provides)})")
+    model_node = cfg["model"]
+    if isinstance(model_node, dict) and "_target_" in model_node:
+        for name, p in parameters(locate(model_node["_target_"], "model._target_")).items():
+            if name in DATA_SIZES and p.default is p.empty and name not in provides:
+                raise ConfigError(f"model: {model_node['_target_']} needs {name}, which "
+                                  f"data ({data_node['_target_']}) does not provide (it "
+                                  f"provides {', '.join(provides)})")
+    check("model", model_node, provides, replace(ctx, group="model"))
     for group in ("sync", "optimizer", "lr_scheduler"):
         check(group, cfg[group], RUNTIME[group], replace(ctx, group=group))
     normalize = cfg["loss"]["normalize"]
@@ -247,14 +249,17 @@ def validate(cfg: dict[str, Any], cuda_available: bool) -> None:
 
 
 def check_precision(cfg: dict[str, Any], cuda_available: bool) -> None:
-    """The precision and its scaler settings; a precision that autocast
-    cannot run on the device the workers will use is refused here, before they start."""
+    """The precision and its scaler settings; a precision that autocast cannot run on the CPU
+    is refused here, before the workers start (on CUDA: by the GPUs' compute capability, in
+    train.check_devices)."""
     pcfg = cfg["precision"]
     prec = pcfg["name"]
     require(prec in DTYPES, "precision.name", "one of fp32, bf16, fp16", prec)
     backend = cfg["trainer"]["backend"]
     device = "cuda" if backend == "nccl" or (backend == "auto" and cuda_available) else "cpu"
-    if not autocast_runs(prec, device):
+    # CUDA: refused by the capability of the GPUs the ranks will use (train.check_devices),
+    # never by running an op here, which would put a CUDA context on GPU 0
+    if device == "cpu" and not autocast_runs(prec, device):
         runnable = [name for name in DTYPES if autocast_runs(name, device)]
         raise ConfigError(f"precision.name={prec!r} cannot run on {device} (torch autocast "
                           f"falls back to fp32 there): choose one of {', '.join(runnable)}")

@@ -217,14 +217,15 @@ class EpochSampler(DistributedSampler):
 
 def train_loader(ds: Dataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  collate: Callable | None = None,
-                 num_workers: int = 0) -> tuple[DataLoader, EpochSampler]:
+                 num_workers: int = 0, pin_memory: bool = False) -> tuple[DataLoader, EpochSampler]:
     """Seeded shuffling identical for every world size: a single process sees the same global
     batches that W processes see as W x N micro-batches. The loader draws its workers' seeds
     from its own generator (see epoch_batches), never from the global torch stream."""
     sampler = EpochSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                            drop_last=False)
     loader = DataLoader(ds, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate,
-                        num_workers=num_workers, generator=torch.Generator())
+                        num_workers=num_workers, generator=torch.Generator(),
+                        pin_memory=pin_memory)  # on CUDA: copies to the GPU need not wait
     return loader, sampler
 
 

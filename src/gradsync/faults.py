@@ -33,8 +33,8 @@ class StopFlag:
     def __init__(self) -> None:
         self.signum = 0
 
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
+    def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:

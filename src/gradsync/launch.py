@@ -30,8 +30,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import STOP_SIGNALS, read_report, report_failure, report_to, signal_name
+from gradsync.faults import read_report, report_failure, report_to, signal_name
 from gradsync.settings import RunConfig
+from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.worker import worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
@@ -134,7 +135,7 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
     _standard_start_method()
     watch = Watch(cfg.trainer.timeout_s)
     watching = threading.current_thread() is threading.main_thread()  # signals: main only
-    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in STOP_SIGNALS}
+    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in watched_signals()}
                 if watching else {})
     try:
         # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
@@ -231,10 +232,16 @@ class Watch:
             self.signum = signum
             print(f"gradsync: {signal_name(signum)}: finishing the optimizer step, then "
                   "checkpointing (send it again to abort)", file=sys.stderr, flush=True)
-            self._send(signal.SIGTERM)
+            self._send(self.forwarded)
         else:
             self.aborted = True
             self._kill_all()
+
+    @property
+    def forwarded(self) -> int:
+        """What the workers get: SIGTERM, or SLURM's preemption warning as it came (they
+        record it, and the job then requeues itself)."""
+        return self.signum if self.signum in PREEMPT_SIGNALS else signal.SIGTERM
 
     def _running(self) -> list[tuple[int, Any]]:
         return [(rank, proc) for rank, proc in enumerate(self.procs)
@@ -259,7 +266,7 @@ class Watch:
 
     def supervise(self) -> None:
         if self.signum:  # arrived while the workers were being started
-            self._send(signal.SIGTERM)
+            self._send(self.forwarded)
         failed_at = None
         while True:
             for rank, proc in enumerate(self.procs):

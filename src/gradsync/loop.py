@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.comm import CommCounts
 from gradsync.data import epoch_batches
+from gradsync.devices import peak_memory_mb
 from gradsync.faults import StopAgreement
 from gradsync.metrics import RunLog
 from gradsync.normalize import Normalizer
@@ -152,17 +153,21 @@ def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
     return norm.window_loss(total)
 
 
-def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, float | None]:
-    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm)."""
+def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None]:
+    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm);
+    the norm stays a tensor (on a GPU: no wait for it) until a logging step reads it."""
     p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
     p.normalizer.before_step(p.ddp.parameters())
     norm = None
     if p.s.clip_grad_norm > 0:
-        norm = float(clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm))
+        norm = clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm)
     elif want_norm:
-        norm = float(get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None]))
+        norm = get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None])
     stepped = p.precision.step(p.optimizer)
     p.policy.after_step(stepped)
+    # a policy that syncs parameters lets each rank's GradScaler skip its own step: the window
+    # counts as a step everywhere (counters, LR schedule, cadences stay the same on every rank)
+    stepped = stepped or p.policy.syncs_parameters
     # gradients that are views into DDP's buckets stay so (zeroed): set to None, they come back
     # as fresh tensors that DDP copies into the buckets at every synchronising backward
     p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view)
@@ -181,19 +186,34 @@ class StepLog:
         self.losses: list[torch.Tensor] = []
         self.mark_t, self.mark_samples = 0.0, 0
 
+    def _max_drift_over_ranks(self) -> None:
+        """Rows of windows that averaged hold this rank's drift: the max over ranks replaces
+        it (every rank averaged at the same windows, so all join this all-reduce or none)."""
+        rows = [r for r in self.rows if "replica_drift" in r]
+        if not rows:
+            return
+        drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64)
+        if self.p.s.world_size > 1:
+            dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
+        for row, drift in zip(rows, drifts.tolist(), strict=True):
+            row["replica_drift"] = drift
+            self.log.scalars(row["window"], {"sync/replica_drift": drift})
+
     def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
         self.rows.append(row)
         self.losses.append(local_loss)
 
-    def flush(self, state: Progress, grad_norm: float | None) -> None:
+    def flush(self, state: Progress, norm: torch.Tensor | None) -> None:
         if not self.rows:
             return
+        grad_norm = None if norm is None else float(norm)
         losses = torch.stack(self.losses).double()
         if self.p.s.world_size > 1:
             dist.all_reduce(losses)
             losses /= self.p.s.world_size
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
+        self._max_drift_over_ranks()
         bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
         state.last_loss = self.rows[-1]["loss"]
         elapsed = state.train_s - self.mark_t
@@ -212,6 +232,8 @@ class StepLog:
         }
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
+        if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json
+            scalars["perf/peak_gpu_mem_mb"] = peak_memory_mb(self.p.device)
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
             scalars["amp/skipped_steps"] = state.skipped_steps
@@ -264,6 +286,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     steps = StepLog(p, log)
     steps.mark_t, steps.mark_samples = state.train_s, state.samples_seen
     stop = 0
+    p.policy.start(p.ddp.module, state.windows)
     while not state.done(s) and not stop:
         epoch, first = state.epoch, state.epoch_step
         shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
@@ -286,13 +309,15 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1
             finished = state.done(s)
+            p.policy.after_window(p.ddp.module, state.windows)
             if finished:
                 p.policy.finish(p.ddp.module)  # e.g. local SGD ends with an averaging
-            else:
-                p.policy.after_window(p.ddp.module, state.windows)
-            steps.add({"window": state.windows, "step": state.step, "epoch": epoch,
-                       "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
-                       "stepped": stepped}, local_loss)
+            row = {"window": state.windows, "step": state.step, "epoch": epoch,
+                   "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
+                   "stepped": stepped}
+            if p.policy.replica_drift is not None:
+                row["replica_drift"] = p.policy.replica_drift
+            steps.add(row, local_loss)
             if log_now:
                 steps.flush(state, norm)
             for hook in p.after_window:

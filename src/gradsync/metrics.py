@@ -105,7 +105,9 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
             "allreduce_calls": summary["allreduce_calls"][0],
             "allreduce_bytes": summary["allreduce_bytes"][0],
             "peak_rss_mb": summary["peak_rss_mb"]}
-    out |= {k: summary[k] for k in ("train_s", "wall_s") if k in summary}
+    for rank, mb in enumerate(summary.get("peak_gpu_mem_mb") or []):
+        out[f"peak_gpu_mem_mb_rank{rank}"] = mb
+    out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift") if k in summary}
     return out
 
 

@@ -48,6 +48,8 @@ class SyncPolicy(Protocol):
     # syncs_parameters: bool         True: the policy keeps the replicas consistent itself
     #                                (averaging parameters); windows may then end unsynchronised
     # overflow: OverflowCounts       counters of the overflow handling
+    # replica_drift: float | None    set by after_window/finish when they averaged: this rank's
+    #                                ||theta_r - theta_mean|| / ||theta_mean|| just before
 
     def comm_hook(self) -> InnerHook:
         """The all-reduce DDP runs on a syncing backward (the counting hook wraps it)."""
@@ -66,6 +68,10 @@ class SyncPolicy(Protocol):
 
     def after_step(self, stepped: bool) -> None:
         """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
+        ...
+
+    def start(self, model: nn.Module, windows_done: int) -> None:
+        """On every rank before the first window of a fresh or resumed run (after restore)."""
         ...
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
@@ -115,6 +121,14 @@ class Policy:
     def after_step(self, stepped: bool) -> None:
         if hasattr(self.impl, "after_step"):
             self.impl.after_step(stepped)
+
+    def start(self, model: nn.Module, windows_done: int) -> None:
+        if hasattr(self.impl, "start"):
+            self.impl.start(model, windows_done)
+
+    @property
+    def replica_drift(self) -> float | None:
+        return getattr(self.impl, "replica_drift", None)
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         if hasattr(self.impl, "after_window"):

@@ -51,7 +51,11 @@ def powersgd_hook(ps: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future
     s = ps.state
     exact = s.iter < s.start_powerSGD_iter
     before = s.total_numel_after_compression
-    fut = powerSGD_hook(s, bucket)
+    # torch's hook seeds its random Q with torch.manual_seed inside fork_rng(devices=[]): the
+    # CPU stream comes back, the CUDA generators (dropout's) would not. Fork the bucket's.
+    device = bucket.buffer().device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        fut = powerSGD_hook(s, bucket)
     ps.last_elements = (bucket.buffer().numel() if exact
                         else s.total_numel_after_compression - before)
     return fut

@@ -9,17 +9,17 @@ import torch.distributed as dist
 
 
 def job_rank() -> int:
-    """This process's global rank: the process group's once it exists; before that, the rank an
-    outside engine gave it (torchrun's RANK, a submitit task's), else 0 (the launcher). Asked
-    while Hydra sets a job up, before any process group exists."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    """This process's global rank: the one an outside engine gave it (torchrun's RANK, a
+    submitit task's), else the process group's (a spawned worker), else 0 (the launcher, also
+    while Hydra sets a job up, before any process group exists)."""
     if "RANK" in os.environ:
         return int(os.environ["RANK"])
     if "SUBMITIT_EXECUTOR" in os.environ:
         import submitit
 
         return int(submitit.JobEnvironment().global_rank)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return 0
 
 

@@ -44,13 +44,20 @@ def seed_rank(seed: int, rank: int) -> None:
     seed_everything(derive_seed(seed, rank))
 
 
+def prepare_cuda_determinism(setting: bool | None) -> None:
+    """Before a rank's first CUDA call: deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG in
+    the environment when it creates its handle, which may happen long before the model's first
+    GEMM (off by default on CUDA: setting None)."""
+    if setting:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def set_deterministic(setting: bool | None, device_type: str) -> bool:
     """Turn torch's deterministic algorithms on or off (None: on for CPU, off for CUDA, where
     they cost speed). Returns the effective setting."""
     on = device_type == "cpu" if setting is None else setting
     if on and device_type == "cuda":
-        # cuBLAS reads this when it creates its workspace, i.e. at the first GEMM
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        prepare_cuda_determinism(setting)
     torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = False

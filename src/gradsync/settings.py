@@ -34,6 +34,7 @@ class TrainerConfig:
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
+    requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
 
 
 @dataclass

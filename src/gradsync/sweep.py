@@ -106,6 +106,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
+    "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
 }
 # Set-up columns that move out of the table into one line when every completed job agrees.
 SETUP = ("world_size", "micro_batch_size", "accum_steps", "global_batch", "optimizer_steps")

@@ -23,7 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gradsync import sweep
+from gradsync import slurm, sweep
 from gradsync.checkpoint import ResumeError, resolve_resume
 from gradsync.components import cwd_importable
 from gradsync.config import (
@@ -36,6 +36,7 @@ from gradsync.config import (
     to_plain,
     validate,
 )
+from gradsync.devices import DeviceError, check_cuda
 from gradsync.faults import signal_name
 from gradsync.launch import (
     Interrupted,
@@ -46,7 +47,7 @@ from gradsync.launch import (
     under_torchrun,
 )
 from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
-from gradsync.ranks import is_rank0
+from gradsync.ranks import is_rank0, job_rank
 from gradsync.repro import run_info, write_run_info
 from gradsync.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.settings import RunConfig
@@ -58,6 +59,10 @@ register_configs()
 OmegaConf.register_new_resolver("rank0_now", rank0_now, use_cache=True, replace=True)
 OmegaConf.register_new_resolver(
     "if_rank0", lambda value, other: value if is_rank0() else other, replace=True)
+# Under SLURM the run dir is named after the job and `resume` defaults to auto (slurm.py).
+OmegaConf.register_new_resolver(
+    "run_name", lambda fmt: slurm.run_name() or rank0_now(fmt), use_cache=True, replace=True)
+OmegaConf.register_new_resolver("default_resume", slurm.default_resume, replace=True)
 # Hydra's files go to a dir of this start's own until it is accepted (rundir.py)
 OmegaConf.register_new_resolver("hydra_staging", staging_name, replace=True)
 
@@ -118,6 +123,7 @@ def _start(cfg: DictConfig, mode: RunMode | None, run_dir: Path, claim: Claim) -
     try:
         plain = to_plain(cfg)
         validate(plain, torch.cuda.is_available())
+        check_devices(plain)
     except Exception as e:  # a component's own check may raise anything: still one line
         if _traceback_wanted():
             raise
@@ -165,12 +171,12 @@ def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
     if not is_rank0():
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
-    if signum and summary["status"] == "interrupted":  # the workers got it as SIGTERM
+    if signum and summary["status"] == "interrupted":  # the workers may have got SIGTERM
         summary["stopped_by"] = signal_name(signum)
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
     if summary["status"] == "interrupted":
-        _stopped(run_dir, summary)
+        _stopped(run_dir, summary, plain["trainer"].get("requeue", True))
     write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
                   summary["optimizer_steps"])
     _report(run_dir, summary)
@@ -246,13 +252,33 @@ def _write_run_info(plain: dict, run_dir: Path) -> None:
     write_run_info(run_dir / "run_info.json", info)
 
 
-def _stopped(run_dir: Path, s: dict) -> None:
-    """A run stopped by SIGTERM/SIGINT after checkpointing: say where, and how to go on."""
+def _stopped(run_dir: Path, s: dict, requeue: bool) -> None:
+    """A run stopped by a signal after checkpointing: say where, and how to go on. Under SLURM
+    a preemption warning (SIGUSR1/SIGUSR2) requeues the job (the checkpoint is durable now)."""
+    signum = signal.Signals[s["stopped_by"]]
+    job = slurm.job_id()
+    how = (f"continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
+           "(and the same overrides)")
+    if job and signum in slurm.PREEMPT_SIGNALS and requeue:
+        how = slurm.requeue(job)
     print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
-          f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n"
-          f"  continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
-          "(and the same overrides)", file=sys.stderr, flush=True)
-    sys.exit(128 + signal.Signals[s["stopped_by"]])
+          f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n  {how}", file=sys.stderr,
+          flush=True)
+    sys.exit(128 + signum)
+
+
+def check_devices(plain: dict) -> None:
+    """On nccl: enough GPUs for the ranks of this process, with the precision native on them
+    (DeviceError -> ConfigError). Creates no CUDA context: the launcher (or a torchrun rank
+    before set_device) must not hold one on GPU 0."""
+    if pick_backend(plain["trainer"]["backend"]) != "nccl":
+        return
+    spawned = not under_torchrun()
+    world = plain["trainer"]["devices"] if spawned else int(os.environ["WORLD_SIZE"])
+    try:
+        check_cuda(plain["precision"]["name"], job_rank(), world, spawned)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _report(run_dir: Path, s: dict) -> None:
@@ -281,7 +307,7 @@ def one_line(exc: BaseException) -> str:
             node = _chosen_option(group)
             return (f"{full_key.group(1)}: unknown key for {node.get('_target_')}; accepted "
                     f"keys: {accepted_keys(group, node)}")
-        keys = schema_keys(obj.group(1)) if obj else []
+        keys = sorted(schema_keys(obj.group(1))) if obj else []
         return f"{full_key.group(1)}: unknown key; allowed keys: {', '.join(keys)}"
     if full_key:
         return f"{full_key.group(1)}: {str(cause or exc).strip().splitlines()[0]}"
@@ -310,6 +336,7 @@ MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
 
 
 def main() -> None:
+    slurm.adopt_srun_ranks()  # a plain srun task becomes an env:// rank, as under torchrun
     if under_torchrun() and MULTIRUN_FLAGS & set(sys.argv[1:]):
         # Each job of a sweep joins a process group again through the same torchrun store,
         # which outlives the previous job's group: the second job hangs there. Refuse up front.

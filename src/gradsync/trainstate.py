@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradsync.devices import to_cpu
 from gradsync.loop import Parts, Progress
+from gradsync.ranks import is_rank0
 from gradsync.repro import config_hash
 
 
@@ -33,39 +35,62 @@ def components(p: Parts) -> dict[str, Any]:
 
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
-    return {"comm": p.counts, "overflow": p.policy.overflow}
+    out = {"comm": p.counts, "overflow": p.policy.overflow}
+    averaging = getattr(p.policy.impl, "averaging", None)  # policies that sync parameters
+    return out if averaging is None else out | {"averaging": averaging}
 
 
-def rng_state() -> dict[str, Any]:
+# With a policy that syncs parameters each rank trains its own replica between averagings: these
+# components are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
+OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
+
+
+def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rank-averaged weights (float tensors; others as rank 0 holds them)."""
+    models = [o["model"] for o in own]
+    return {k: (torch.stack([m[k] for m in models]).mean(0).to(v.dtype)
+                if v.is_floating_point() else v) for k, v in models[0].items()}
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The rank's RNG streams: its CUDA generator is its own device's only (another rank's GPU
+    is not this rank's to touch, nor to put a context on)."""
     np_state = np.random.get_state(legacy=False)
     np_state["state"]["key"] = np_state["state"]["key"].tolist()
     return {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []}
+            "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
 
 
-def set_rng_state(s: dict[str, Any]) -> None:
+def set_rng_state(s: dict[str, Any], device: torch.device) -> None:
     random.setstate(s["python"])
     np_state = dict(s["numpy"], state=dict(s["numpy"]["state"]))
     np_state["state"]["key"] = np.array(np_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(np_state)
     torch.set_rng_state(s["torch"])
-    if s["cuda"]:
-        torch.cuda.set_rng_state_all(s["cuda"])
+    if s["cuda"] and device.type == "cuda":
+        torch.cuda.set_rng_state(s["cuda"][0], device)
 
 
 def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[str, Any] | None:
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
-    mine = {"rng": rng_state(),
+    mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
-    rank = dist.get_rank()
-    ranks: list[Any] | None = [None] * p.s.world_size if rank == 0 else None
+    if p.policy.syncs_parameters:
+        parts = components(p)
+        mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
+    writer = is_rank0()  # gathers every rank's part and writes the file
+    ranks: list[Any] | None = [None] * p.s.world_size if writer else None
     if p.s.world_size > 1:
         dist.gather_object(mine, ranks, dst=0, group=group)
     else:
         ranks = [mine]
-    if rank != 0:
+    if not writer:
         return None
-    out = {name: obj.state_dict() for name, obj in components(p).items()}
+    assert ranks is not None
+    # on the CPU: the checkpoint opens on a machine with other GPUs, or none
+    out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
+    if p.policy.syncs_parameters and not p.policy.replicas_in_sync():
+        out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
@@ -78,8 +103,11 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
     known = {f.name for f in fields(Progress)}
     state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
     mine = ckpt["ranks"][rank]
+    parts = components(p)
+    for name, own in mine.get("own", {}).items():
+        parts[name].load_state_dict(own)  # this rank's replica, not the consensus
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)
-    set_rng_state(mine["rng"])  # last: nothing after it may draw
+    set_rng_state(mine["rng"], p.device)  # last: nothing after it may draw
     return state

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint, trainstate
-from gradsync.comm import install_counting_hook
+from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.components import build
 from gradsync.data import DataBundle, evaluate, train_loader
+from gradsync.devices import cpu_threads, device_name, local_placement, peak_memory_mb, rank_device
 from gradsync.faults import (
     PROCESS_FLAG,
     StopAgreement,
@@ -33,10 +35,11 @@ from gradsync.normalize import build_normalizer
 from gradsync.policies import Policy
 from gradsync.precision import build_precision
 from gradsync.ranks import is_rank0
-from gradsync.repro import seed_everything, seed_rank, set_deterministic
+from gradsync.repro import prepare_cuda_determinism, seed_everything, seed_rank, set_deterministic
 from gradsync.schedules import build_schedule, total_optimizer_steps
 from gradsync.settings import RunConfig
 from gradsync.shm_allreduce import over_shared_memory, shm_hook
+from gradsync.slurm import watched_signals
 
 log = logging.getLogger("gradsync")
 
@@ -50,7 +53,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     to_file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     to_file.setFormatter(fmt)
     log.addHandler(to_file)
-    if rank == 0:
+    if rank == 0:  # before the process group exists: the rank the launcher gave this worker
         to_console = logging.StreamHandler(sys.stderr)
         to_console.setFormatter(fmt)
         to_console.addFilter(lambda record: not record.exc_info)  # tracebacks: file only
@@ -73,22 +76,25 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     seed_everything(seed)  # the same on every rank and for every world size: model init
     data: DataBundle = build(cfg.data, {"seed": seed}, extra=("micro_batch_size",))
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
-                                   tr.num_workers)
+                                   tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
+    precision = build_precision(cfg.precision, device.type)
+    counts = CommCounts()  # DDP's all-reduces, and a policy's own (local SGD's averaging)
+    policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
+                                     "world_size": world_size, "counts": counts}))
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=tr.gradient_as_bucket_view,
         bucket_cap_mb=tr.bucket_cap_mb,
+        # replicas that train apart keep their own buffers until the policy averages them
+        forward_sync_buffers=not policy.syncs_parameters,
     )
-    precision = build_precision(cfg.precision, device.type)
-    policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
-                                     "world_size": world_size}))
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
         inner = over_shared_memory(inner, list(ddp.parameters()), tr.allreduce)
-    counts = install_counting_hook(ddp, inner)
+    install_counting_hook(ddp, inner, counts)
     transport = "shared_memory" if inner.hook is shm_hook else "process_group"
     optimizer = build(cfg.optimizer)(ddp.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro)
@@ -119,12 +125,14 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     )
 
 
-def run_training(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """Train on the already initialised default process group; rank 0 writes the outputs.
-    Returns the summary (on every rank)."""
+def run_training(cfg: RunConfig, run_dir: Path,
+                 device: torch.device | None = None) -> dict[str, Any]:
+    """Train on the already initialised default process group (on `device`: by default the
+    CPU on gloo, else this env:// rank's GPU); rank 0 writes the outputs. Returns the summary
+    (on every rank)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    if device is None:
+        device = rank_device(dist.get_backend(), rank, world_size, spawned=False)
     p = build_parts(cfg, rank, world_size, device)
     tr = cfg.trainer
     # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
@@ -201,10 +209,19 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
-    mine = [c.sync_backwards, c.allreduce_calls, c.allreduce_bytes, peak_rss_mb(),
-            o.aborted_windows, o.allreduce_skipped, o.flag_allreduces]
+    a = getattr(p.policy.impl, "averaging", None)  # AveragingCounts: local SGD, DiLoCo
+    mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
+            "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
+            "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
+            "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
+            "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
+            "averaging": None if a is None else asdict(a)}
     gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
+
+    def per_rank(key: str) -> list[Any]:
+        return [g[key] for g in gathered]
+
     accum = sorted({p.schedule.accum_steps(e) for e in range(p.s.max_epochs)})
     return {
         "optimizer_steps": state.step,
@@ -214,16 +231,19 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "eval": state.last_eval,
         "samples_per_s": state.samples_seen / state.train_s if state.train_s > 0 else 0.0,
         "train_s": state.train_s,
-        "sync_backwards": [g[0] for g in gathered],
-        "allreduce_calls": [g[1] for g in gathered],
-        "allreduce_bytes": [g[2] for g in gathered],
-        "peak_rss_mb": max(g[3] for g in gathered),
+        "sync_backwards": per_rank("sync_backwards"),
+        "allreduce_calls": per_rank("allreduce_calls"),
+        "allreduce_bytes": per_rank("allreduce_bytes"),
+        "peak_rss_mb": max(per_rank("peak_rss_mb")),
+        "peak_gpu_mem_mb": per_rank("peak_gpu_mem_mb") if p.device.type == "cuda" else None,
+        "threads": per_rank("threads"),
+        "device": gathered[0]["device"],
         "windows": state.windows,
         "amp_skipped_steps": state.skipped_steps,
         "amp_final_scale": p.precision.scale,
-        "amp_aborted_windows": [g[4] for g in gathered],
-        "allreduce_skipped": [g[5] for g in gathered],
-        "overflow_flag_allreduces": [g[6] for g in gathered],
+        "amp_aborted_windows": per_rank("amp_aborted_windows"),
+        "allreduce_skipped": per_rank("allreduce_skipped"),
+        "overflow_flag_allreduces": per_rank("overflow_flag_allreduces"),
         "world_size": p.s.world_size,
         "accum_steps": accum[0] if len(accum) == 1 else accum,
         "micro_batch_size": p.s.micro_batch_size,
@@ -233,7 +253,15 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.s.allreduce,
         "seed": cfg.seed,
-    }
+    } | (averaging_summary(per_rank("averaging")) if a is not None else {})
+
+
+def averaging_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Local SGD / DiLoCo: averaging rounds, each rank's own skipped fp16 steps, and the largest
+    replica drift measured before an averaging on any rank."""
+    return {"averagings": per_rank[0]["averagings"],
+            "local_skipped_steps": [r["local_skipped_steps"] for r in per_rank],
+            "max_replica_drift": max(r["max_replica_drift"] for r in per_rank)}
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
@@ -253,21 +281,25 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
 def worker_main(rank: int, world_size: int, cfg: RunConfig, run_dir: str,
                 store_port: int | None) -> None:
     """Entry point of one rank (spawned by the launcher, or the torchrun process itself)."""
-    PROCESS_FLAG.install()  # SIGTERM/SIGINT: finish the step, checkpoint, stop (faults.py)
+    # SIGTERM/SIGINT (and SLURM's SIGUSR1/2): finish the step, checkpoint, stop (faults.py)
+    PROCESS_FLAG.install(watched_signals())
     run_path = Path(run_dir)
     setup_logging(run_path, rank)
     tr = cfg.trainer
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    threads = tr.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world)
+    spawned = store_port is not None
+    threads = tr.threads_per_worker or cpu_threads(
+        local_placement(rank, world_size, spawned)[1])
     torch.set_num_threads(threads)
     backend = pick_backend(tr.backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = rank_device(backend, rank, world_size, spawned)
+    if device.type == "cuda":
+        prepare_cuda_determinism(tr.deterministic)  # before the first CUDA call
+        torch.cuda.set_device(device)  # this rank's context, on its own GPU only
     init_process_group(backend, rank, world_size, tr.timeout_s, store_port)
-    log.info("rank %d/%d up: backend=%s threads=%d pid=%d", rank, world_size, backend, threads,
-             os.getpid())
+    log.info("rank %d/%d up: backend=%s device=%s threads=%d pid=%d", rank, world_size, backend,
+             device, threads, os.getpid())
     try:
-        run_training(cfg, run_path)
+        run_training(cfg, run_path, device)
     except Exception as e:
         report_failure(e)  # to the launcher that spawned this rank (faults.py)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)

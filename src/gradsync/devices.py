@@ -1,0 +1,126 @@
+"""Which device a rank trains on, what it can compute, and how many CPU threads it gets.
+
+CUDA is touched only by a rank, on its own device: nothing here creates a CUDA context.
+Counting GPUs (NVML, or cudaGetDeviceCount) and reading a GPU's capability and name
+(cudaGetDeviceProperties) need the driver, not a context; a context is made by the rank's
+torch.cuda.set_device and first kernel, on its own device only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+# Native bf16 tensor-core math starts with Ampere (8.0); older GPUs emulate it, slowly.
+BF16_MIN_CAPABILITY = (8, 0)
+FP16_MIN_CAPABILITY = (5, 3)
+
+
+class DeviceError(ValueError):
+    """The GPUs this process sees cannot serve the ranks asked of it (a config error)."""
+
+
+def cpu_threads(local_world: int) -> int:
+    """The CPUs this process may run on (its affinity: taskset, cgroups' cpusets, SLURM's
+    --cpus-per-task), shared by the ranks on this node."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable // max(1, local_world))
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_index(visible: int, local_rank: int, local_world: int, same_view: bool) -> int:
+    """The CUDA device index of local rank `local_rank` of `local_world` ranks on this node.
+
+    As many GPUs visible as ranks on the node (or more): cuda:LOCAL_RANK. One GPU visible to
+    a rank that may have its own view (srun --gpus-per-task=1, or a scheduler's per-task
+    CUDA_VISIBLE_DEVICES): cuda:0. same_view: every rank on the node sees the same GPUs (the
+    workers gradsync spawns), so one GPU cannot serve two of them."""
+    if local_world <= visible:
+        return local_rank
+    if visible == 1 and not same_view:
+        return 0
+    where = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{visible} GPU{'s' if visible != 1 else ''} visible" + (
+        f" (CUDA_VISIBLE_DEVICES={where})" if where is not None else "")
+    raise DeviceError(f"{local_world} ranks on this node need one GPU each on nccl, but {seen}: "
+                      "start at most that many ranks per node (trainer.devices, "
+                      "--nproc-per-node, --ntasks-per-node), or use trainer.backend=gloo")
+
+
+def local_placement(rank: int, world_size: int, spawned: bool) -> tuple[int, int, bool]:
+    """(local rank, ranks on this node, whether they all see the same GPUs): a worker this
+    launcher spawned (its rank is its local rank), or an env:// rank (torchrun, srun,
+    submitit), placed by LOCAL_RANK and LOCAL_WORLD_SIZE."""
+    if spawned:
+        return rank, world_size, True
+    env = os.environ
+    return (int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            False)
+
+
+def check_cuda(precision: str, rank: int, world_size: int, spawned: bool) -> list[int]:
+    """The CUDA devices of this process's ranks (all spawned workers, or this env:// rank),
+    refused (DeviceError) where too few are visible or where the precision is not native on
+    them. No CUDA context is created."""
+    visible = visible_gpus()
+    if visible == 0:
+        raise DeviceError("trainer.backend=nccl needs a GPU, and none is visible "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    ranks = range(world_size) if spawned else [rank]
+    indices = [cuda_index(visible, *local_placement(r, world_size, spawned)) for r in ranks]
+    for index in indices:
+        check_capability(precision, index, torch.cuda.get_device_capability(index),
+                         torch.cuda.get_device_name(index))
+    return indices
+
+
+def check_capability(precision: str, index: int, capability: tuple[int, int], name: str) -> None:
+    need = {"bf16": BF16_MIN_CAPABILITY, "fp16": FP16_MIN_CAPABILITY}.get(precision)
+    if need is not None and tuple(capability) < need:
+        have = ".".join(map(str, capability))
+        raise DeviceError(
+            f"precision.name={precision!r} is not native on cuda:{index} ({name}, compute "
+            f"capability {have}; {precision} needs {need[0]}.{need[1]}): choose "
+            f"{'fp16 or fp32' if precision == 'bf16' else 'fp32'}")
+
+
+def rank_device(backend: str, rank: int, world_size: int, spawned: bool) -> torch.device:
+    """The device of this rank (asked in the rank, before anything touches CUDA)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", cuda_index(visible_gpus(),
+                                           *local_placement(rank, world_size, spawned)))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """The peak of memory torch allocated on this rank's GPU (None on the CPU). Read from the
+    caching allocator's counters: no device sync."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def to_cpu(tree: Any) -> Any:
+    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree

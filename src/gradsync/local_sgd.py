@@ -1,0 +1,200 @@
+"""Policies that skip gradient synchronisation for whole optimizer steps and synchronise the
+models instead: local SGD (Lin et al. 2020, with post-local SGD warm-up) and DiLoCo (Douillard
+et al. 2023).
+
+Every forward+backward runs inside ``no_sync()`` (after ``warmup_steps`` windows of exact
+``accumulate``), so each rank steps its own optimizer on its own window gradient. Every
+``every`` windows (H) the replicas meet in ONE all-reduce (averaging.Anchor): each rank's
+pseudo-gradient ``global - local`` over its parameters and floating-point buffers is averaged in
+``comm_dtype``; local SGD then sets the global weights to the mean model, DiLoCo lets an outer SGD
+(Nesterov momentum) step them; every rank continues from the new global weights, bitwise the same
+everywhere. The schedule counts windows, never a rank's applied steps: with fp16 each rank has its
+own GradScaler and skips its own overflowing steps, and the averaging still happens at the same
+window on every rank. Optimizer state stays per rank (as in torch's PostLocalSGDOptimizer,
+Accelerate's LocalSGD and torchft), which the checkpoint keeps per rank (trainstate.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradsync.averaging import Anchor, plain_average
+from gradsync.comm import CommCounts
+from gradsync.components import CheckContext, ConfigError, checks, require
+from gradsync.precision import DTYPES
+
+COMM_DTYPES = ("fp32", "bf16")
+
+
+def _check_local_sgd(a: dict[str, Any], ctx: CheckContext) -> None:
+    """The gradient all-reduce's options (PowerSGD, amp_aware's overflow consensus) are not
+    parameters of these policies: the signature check refuses them as unknown keys."""
+    require(isinstance(a["every"], int) and a["every"] >= 1, "sync.every",
+            "an integer >= 1 (windows between averagings)", a["every"])
+    require(isinstance(a["warmup_steps"], int) and a["warmup_steps"] >= 0, "sync.warmup_steps",
+            "an integer >= 0 (exact accumulate windows first)", a["warmup_steps"])
+    require(a["comm_dtype"] in COMM_DTYPES, "sync.comm_dtype", f"one of {', '.join(COMM_DTYPES)}",
+            a["comm_dtype"])
+
+
+def _check_diloco(a: dict[str, Any], ctx: CheckContext) -> None:
+    _check_local_sgd(a, ctx)
+    require(a["outer_lr"] > 0, "sync.outer_lr", "a number > 0", a["outer_lr"])
+    require(0 <= a["outer_momentum"] < 1, "sync.outer_momentum", "a number in [0, 1)",
+            a["outer_momentum"])
+    if a["outer_nesterov"] and a["outer_momentum"] == 0:
+        raise ConfigError("sync.outer_nesterov=true needs sync.outer_momentum > 0: set "
+                          "sync.outer_nesterov=false")
+
+
+@dataclass
+class AveragingCounts:
+    """Per rank, reported in summary.json and kept by checkpoints."""
+
+    averagings: int = 0  # averaging rounds (each one all-reduce, counted in CommCounts too)
+    local_skipped_steps: int = 0  # fp16: this rank's own GradScaler skipped its step
+    max_replica_drift: float = 0.0  # the largest drift this rank measured before an averaging
+
+
+class MeanModel:
+    """Local SGD's outer update: the global weights become the mean of the replicas."""
+
+    def step(self, global_: list[torch.Tensor], pseudo: list[torch.Tensor]) -> None:
+        plain_average(global_, pseudo)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], global_: list[torch.Tensor]) -> None:
+        pass
+
+
+class OuterSGD:
+    """DiLoCo's outer optimizer: torch's SGD on the fp32 global weights, the mean pseudo-gradient
+    as their gradient (lr 1, no momentum: exactly MeanModel)."""
+
+    def __init__(self, lr: float, momentum: float, nesterov: bool):
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.opt: torch.optim.SGD | None = None
+
+    def _build(self, global_: list[torch.Tensor]) -> torch.optim.SGD:
+        if self.opt is None:
+            self.opt = torch.optim.SGD(global_, lr=self.lr, momentum=self.momentum,
+                                       nesterov=self.nesterov)
+        return self.opt
+
+    def step(self, global_: list[torch.Tensor], pseudo: list[torch.Tensor]) -> None:
+        opt = self._build(global_)
+        for g, d in zip(global_, pseudo, strict=True):
+            g.grad = d
+        opt.step()
+        for g in global_:
+            g.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.opt.state_dict() if self.opt is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any], global_: list[torch.Tensor]) -> None:
+        self.opt = None
+        if state:
+            self._build(global_).load_state_dict(state)
+
+
+class ModelAveraging:
+    """The policy: exact accumulate for `warmup_steps` windows, then local steps, and every
+    `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
+    global weights. LocalSGD and DiLoCo below only choose the outer update."""
+
+    syncs_parameters = True  # no gradient all-reduce after warm-up: this policy syncs the models
+
+    def __init__(self, name: str, every: int, warmup_steps: int, comm_dtype: str,
+                 outer: MeanModel | OuterSGD, counts: CommCounts | None = None):
+        self.name = name
+        self.every, self.warmup = every, warmup_steps
+        self.wire = DTYPES[comm_dtype]
+        self.outer = outer
+        self.counts = counts if counts is not None else CommCounts()
+        self.averaging = AveragingCounts()
+        self.windows = 0
+        self.anchor: Anchor | None = None  # the global weights; None during warm-up
+        self.in_sync = True
+        self.replica_drift: float | None = None  # measured by the last after_window, if it averaged
+
+    # --- the loop's questions (the warm-up all-reduces with DDP's exact default hook; no
+    # overflow consensus: each rank's GradScaler skips its own overflowing steps, as after
+    # warm-up no all-reduce makes the gradients, hence the flags, agree) ------------------------
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return self.windows < self.warmup and micro_index == window_size - 1
+
+    def after_step(self, stepped: bool) -> None:
+        self.averaging.local_skipped_steps += not stepped
+
+    def start(self, model: torch.nn.Module, windows_done: int) -> None:
+        """Before the first window of a (fresh or resumed) run."""
+        self.windows = windows_done
+        if self.anchor is None and windows_done >= self.warmup:
+            self.anchor = Anchor.of(model)  # a fresh run: the replicas start identical
+
+    def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
+        self.windows = windows_done
+        self.replica_drift = None
+        if windows_done < self.warmup:
+            return
+        if self.anchor is None:
+            self.anchor = Anchor.of(model)  # warm-up over: its exact steps kept replicas equal
+            return
+        self.in_sync = False
+        if (windows_done - self.warmup) % self.every == 0:
+            self._sync(model)
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """The run ends with an averaging round unless its last window had one."""
+        if not self.in_sync:
+            self._sync(model)
+
+    def replicas_in_sync(self) -> bool:
+        return self.in_sync
+
+    def _sync(self, model: torch.nn.Module) -> None:
+        assert self.anchor is not None
+        self.replica_drift = self.anchor.sync(model, self.outer.step, self.wire, self.counts)
+        self.averaging.averagings += 1
+        self.averaging.max_replica_drift = max(self.averaging.max_replica_drift,
+                                               self.replica_drift)
+        self.in_sync = True
+
+    # --- checkpoints (the same on every rank; per-rank counters live in `averaging`) ----------
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": self.windows, "in_sync": self.in_sync,
+                "anchor": self.anchor.state_dict() if self.anchor else None,
+                "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.windows, self.in_sync = state["windows"], state["in_sync"]
+        self.anchor = Anchor.from_state(state["anchor"]) if state["anchor"] else None
+        self.outer.load_state_dict(state["outer"], self.anchor.params if self.anchor else [])
+
+
+@checks(_check_local_sgd)
+class LocalSGD(ModelAveraging):
+    """sync=local_sgd: every `every` windows the replicas are replaced by their mean."""
+
+    def __init__(self, every: int = 8, warmup_steps: int = 0, comm_dtype: str = "fp32",
+                 counts: CommCounts | None = None):
+        super().__init__("local_sgd", every, warmup_steps, comm_dtype, MeanModel(), counts)
+
+
+@checks(_check_diloco)
+class DiLoCo(ModelAveraging):
+    """sync=diloco: the configured optimizer is the inner one; every `every` windows an outer SGD
+    (Nesterov momentum by default, as in the paper) steps the global weights on the mean
+    pseudo-gradient and every rank continues from them."""
+
+    def __init__(self, every: int = 32, warmup_steps: int = 0, comm_dtype: str = "fp32",
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 outer_nesterov: bool = True, counts: CommCounts | None = None):
+        super().__init__("diloco", every, warmup_steps, comm_dtype,
+                         OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)

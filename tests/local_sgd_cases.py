@@ -1,0 +1,68 @@
+"""Functions the local SGD / DiLoCo tests run on every rank of the pool (dist_pool.py): the
+worker's real run_training on the pool's gloo group, with this rank's parameters recorded after
+every window (and after the final averaging), optionally with an inf loss injected on one rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gradsync import checkpoint, worker
+from gradsync.settings import RunConfig
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = -1) -> dict:
+    """run_training, recording after each window (after its averaging, if any) and after
+    finish(): (windows_done, averaged?, this rank's flat parameters). inf_rank's loss is
+    multiplied by inf during window inf_window (counted from 1, resumed runs included): an fp16
+    overflow on that rank only."""
+    build = worker.build_parts
+    snaps: list[tuple] = []
+    scales: list[float] = []
+
+    def recording(*args, **kw):
+        p = build(*args, **kw)
+        policy = p.policy.impl  # the LocalSGD / DiLoCo object the loop reaches through Policy
+        after_window, finish = policy.after_window, policy.finish
+
+        def after(model, windows_done):
+            after_window(model, windows_done)
+            snaps.append((windows_done, policy.replica_drift is not None, flat(model)))
+            scales.append(p.precision.scale)
+
+        def done(model):
+            before = policy.averaging.averagings
+            finish(model)
+            snaps.append(("finish", policy.averaging.averagings > before, flat(model)))
+
+        policy.after_window, policy.finish = after, done
+        if dist.get_rank() == inf_rank:
+            loss = p.loss
+
+            def poisoned(out, y):
+                sums, counts = loss(out, y)
+                if policy.windows + 1 == inf_window:
+                    sums = sums * float("inf")
+                return sums, counts
+
+            p.loss = poisoned
+        return p
+
+    worker.build_parts = recording
+    try:
+        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
+    finally:
+        worker.build_parts = build
+    out: dict = {"summary": summary, "snaps": snaps, "scales": scales}
+    if dist.get_rank() == 0:
+        out["rows"] = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text()
+                       .splitlines()]
+        out["ckpt"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")
+    return out

@@ -1,0 +1,102 @@
+"""On a CUDA machine only (skipped, saying so, elsewhere; `make gpu-check` runs them and more):
+no host sync in the hot path, PowerSGD leaves the CUDA generator alone, a GPU run's checkpoint
+holds only CPU tensors and each rank's own RNG state, and more ranks than GPUs is a config
+error. Each case runs in a process of its own (a fresh CUDA state, its own nccl group)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA absent: GPU tests run only where torch sees a GPU (make gpu-check)")]
+
+CASES = Path(__file__).with_name("gpu_cases.py")
+TINY = ["data=synthetic", "data.num_samples=256", "trainer.max_steps=6",
+        "trainer.progress_bar=false", "trainer.backend=nccl", "trainer.checkpoint_every=3"]
+
+
+def case(cli_env: dict, *args: str) -> dict:
+    done = subprocess.run([sys.executable, str(CASES), *args], capture_output=True, text=True,
+                          env=cli_env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def native_bf16() -> bool:
+    return torch.cuda.get_device_capability(0) >= (8, 0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_no_host_sync_in_the_hot_path_outside_logging_steps(cli_env, precision):
+    if precision == "bf16" and not native_bf16():
+        pytest.skip("this GPU only emulates bf16 (compute capability < 8.0)")
+    out = case(cli_env, "hot_path", precision)
+    assert out["windows"] >= 10 and out["finite"]
+
+
+def test_powersgd_leaves_the_cuda_generator_alone(cli_env):
+    assert case(cli_env, "powersgd_rng") == {"unchanged": [True] * 4}
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors(v)]
+    return []
+
+
+def test_a_gpu_run_checkpoints_cpu_tensors_and_each_rank_its_own_rng(tmp_path, cli_env):
+    n = min(2, torch.cuda.device_count())
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY,
+                           f"trainer.devices={n}", "model.dropout=0.1",
+                           "trainer.deterministic=true", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, env=cli_env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # no map_location: it opens as it is
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert {t.device.type for t in tensors(ckpt)} == {"cpu"}
+    assert [len(r["rng"]["cuda"]) for r in ckpt["ranks"]] == [1] * n
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["device"] == torch.cuda.get_device_name(0)
+    assert len(summary["peak_gpu_mem_mb"]) == n and min(summary["peak_gpu_mem_mb"]) > 0
+    for rank in range(n):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"device=cuda:{rank}" in log
+
+
+def test_more_ranks_than_gpus_is_a_one_line_config_error(tmp_path, cli_env):
+    n = torch.cuda.device_count()
+    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY,
+                           f"trainer.devices={n + 1}", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, env=cli_env, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"gradsync: config error: {n + 1} ranks on this node need one GPU each on nccl, but "
+        f"{n} GPU{'s' if n != 1 else ''} visible" + (
+            f" (CUDA_VISIBLE_DEVICES={cli_env['CUDA_VISIBLE_DEVICES']})"
+            if "CUDA_VISIBLE_DEVICES" in cli_env else "")
+        + ": start at most that many ranks per node (trainer.devices, --nproc-per-node, "
+        "--ntasks-per-node), or use trainer.backend=gloo")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bf16_is_refused_exactly_where_the_gpu_emulates_it(tmp_path, cli_env):
+    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY, "trainer.devices=1",
+                           "precision=bf16", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, env=cli_env, timeout=300)
+    if native_bf16():
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode == 2
+        assert "precision.name='bf16' is not native on cuda:0" in done.stderr

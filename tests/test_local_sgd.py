@@ -1,0 +1,254 @@
+"""Local SGD and DiLoCo on the pool's 2 real gloo ranks, through the worker's real run_training:
+H=1 with SGD + momentum trains accumulate's parameters; DiLoCo with outer lr 1 and no momentum is
+local SGD bit for bit; the replicas are bitwise equal right after every averaging and apart in
+between; every averaging moves exactly the model's bytes; an fp16 overflow on one rank only skips
+that rank's step and the averagings stay on schedule; bad options are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_cases
+import local_sgd_cases
+from configs import plain_cfg
+from gradsync.config import ConfigError, validate
+from gradsync.train import compose_plain
+
+pytestmark = [pytest.mark.dist]
+
+# 104 samples, 2 ranks, micro 8: 7 micro-batches per rank and epoch (the last one 4 samples),
+# accum 2 -> windows 2,2,2,1; 3 epochs: 12 windows. MLP 8-16-2: 178 parameters, no buffers.
+RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
+       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+       "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
+       "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
+       "trainer.log_every=5", "trainer.checkpoint_every=0"]
+BASE = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
+WINDOWS, PARAMS = 12, 178
+# warm-up windows 1-2 exact, then averagings after windows 5, 8, 11 and at the end (12)
+# trainer.check_replicas=1: the cross-rank checksum runs whenever the policy says the replicas
+# are in sync (warm-up windows, right after each averaging) and stops the run if they are not
+LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2",
+         "trainer.check_replicas=1"]
+AVERAGED = {5, 8, 11, "finish"}
+
+
+def params(ckpt: dict) -> torch.Tensor:
+    return torch.cat([v.flatten() for v in ckpt["model"].values()])
+
+
+@pytest.fixture(scope="module")
+def local(pool2, tmp_path_factory):
+    return pool2.run(local_sgd_cases.recorded_run, plain_cfg(LOCAL),
+                     str(tmp_path_factory.mktemp("local")))
+
+
+def test_replicas_are_bitwise_equal_right_after_each_averaging_and_apart_between(local):
+    r0, r1 = local
+    assert [s[:2] for s in r0["snaps"]] == [s[:2] for s in r1["snaps"]]
+    averaged = [w for w, did, _ in r0["snaps"] if did]
+    assert set(averaged) == AVERAGED
+    for (w, _, a), (_, _, b) in zip(r0["snaps"], r1["snaps"], strict=True):
+        if w in AVERAGED or w in (1, 2):  # warm-up: exact all-reduced steps
+            assert torch.equal(a, b), w
+        else:
+            assert (a - b).abs().max() > 1e-6, w
+    # the final replicas are the consensus: the checkpoint's model is both ranks' parameters
+    assert torch.equal(params(r0["ckpt"]), r0["snaps"][-1][2])
+    assert torch.equal(params(r0["ckpt"]), r1["snaps"][-1][2])
+
+
+def test_drift_is_logged_at_every_averaging_and_its_max_in_the_summary(local):
+    r0, _ = local
+    drift = {r["window"]: r["replica_drift"] for r in r0["rows"] if "replica_drift" in r}
+    assert set(drift) == {5, 8, 11, 12}  # the final averaging's drift in the last row
+    assert all(0 < d < 1 for d in drift.values())
+    print(f"replica drift before each averaging: {drift}")
+    assert r0["summary"]["max_replica_drift"] == max(drift.values())
+    assert r0["summary"]["averagings"] == 4
+    assert r0["summary"]["optimizer_steps"] == r0["summary"]["windows"] == WINDOWS
+
+
+def test_every_averaging_moves_exactly_the_models_bytes(local, pool2, tmp_path):
+    r0, r1 = local
+    for r in (r0, r1):  # 2 exact warm-up all-reduces (one bucket) + 4 averagings, fp32
+        s = r["summary"]
+        assert s["sync_backwards"] == [2, 2]
+        assert s["allreduce_calls"] == [2 + 4, 2 + 4]
+        assert s["allreduce_bytes"] == [(2 + 4) * PARAMS * 4] * 2
+    bf16 = pool2.run(local_sgd_cases.recorded_run,
+                     plain_cfg([*BASE, "sync=local_sgd", "sync.every=3", "sync.comm_dtype=bf16"]),
+                     str(tmp_path))
+    s = bf16[0]["summary"]
+    assert (s["averagings"], s["sync_backwards"]) == (4, [0, 0])  # after windows 3, 6, 9, 12
+    assert s["allreduce_calls"] == [4, 4] and s["allreduce_bytes"] == [4 * PARAMS * 2] * 2
+    assert torch.equal(bf16[0]["snaps"][-1][2], bf16[1]["snaps"][-1][2])
+
+
+def test_local_sgd_every_1_with_sgd_momentum_trains_accumulates_parameters(local, pool2,
+                                                                          tmp_path):
+    """Averaging is linear: the mean of the ranks' momentum buffers is DDP's buffer."""
+    exact, _ = pool2.run(dist_cases.train_run, plain_cfg([*BASE, "sync=accumulate"]),
+                         str(tmp_path / "accumulate"))
+    h1, _ = pool2.run(dist_cases.train_run,
+                      plain_cfg([*BASE, "sync=local_sgd", "sync.every=1"]), str(tmp_path / "h1"))
+    a, b = torch.cat([v.flatten() for v in exact["params"].values()]), \
+        torch.cat([v.flatten() for v in h1["params"].values()])
+    gap = (a - b).abs().max().item()
+    print(f"local_sgd H=1 vs accumulate: max |param difference| {gap:.3g}")
+    assert gap < 1e-6, gap  # float rounding only
+    assert h1["summary"]["averagings"] == WINDOWS and h1["summary"]["sync_backwards"] == [0, 0]
+    assert exact["summary"]["final_train_loss"] == pytest.approx(
+        h1["summary"]["final_train_loss"], rel=1e-5)
+    # H=3 (the local fixture, 2 warm-up windows) really trains other parameters
+    assert (params(local[0]["ckpt"]) - a).abs().max() > 1e3 * max(gap, 1e-9)
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_bit_for_bit(local, pool2,
+                                                                         tmp_path):
+    outer = ["sync=diloco", "sync.every=3", "sync.warmup_steps=2", "sync.outer_lr=1.0",
+             "sync.outer_momentum=0.0", "sync.outer_nesterov=false"]
+    plain, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*BASE, *outer]),
+                         str(tmp_path / "plain"))
+    assert torch.equal(torch.cat([v.flatten() for v in plain["params"].values()]),
+                       params(local[0]["ckpt"]))
+    assert [r["loss"] for r in plain["rows"]] == [r["loss"] for r in local[0]["rows"]]
+    assert plain["summary"]["allreduce_bytes"] == local[0]["summary"]["allreduce_bytes"]
+    # the paper's outer step (lr 0.7, Nesterov momentum 0.9) moves elsewhere
+    nesterov, _ = pool2.run(dist_cases.train_run, plain_cfg([*BASE, *outer[:3]]),
+                            str(tmp_path / "nesterov"))
+    assert not torch.equal(nesterov["params"]["0.weight"], plain["params"]["0.weight"])
+    assert nesterov["summary"]["allreduce_bytes"] == plain["summary"]["allreduce_bytes"]
+
+
+def test_fp16_overflow_on_one_rank_skips_its_step_only_and_averaging_stays_on_schedule(
+        pool2, tmp_path):
+    cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=3", "precision=fp16"])
+    r0, r1 = pool2.run(local_sgd_cases.recorded_run, cfg, str(tmp_path), 1, 2)
+    s = r0["summary"]
+    assert s["local_skipped_steps"] == [0, 1]  # rank 1's scaler alone skipped window 2
+    assert s["amp_skipped_steps"] == 0 and s["optimizer_steps"] == WINDOWS
+    assert s["averagings"] == 4 and s["allreduce_calls"] == [4, 4]
+    # each rank its own scaler: rank 1 backed off once at window 2
+    assert r1["scales"][1] == r0["scales"][1] / 2
+    for (w, did, a), (_, did1, b) in zip(r0["snaps"], r1["snaps"], strict=True):
+        assert did == did1 == (w in (3, 6, 9, 12)), w
+        assert torch.equal(a, b) == (w in (3, 6, 9, 12, "finish")), w
+
+
+BAD = [
+    (["sync=local_sgd", "sync.every=0"], "sync.every=0 is not allowed: an integer >= 1"),
+    (["sync=diloco", "sync.every=-2"], "sync.every=-2 is not allowed"),
+    (["sync=local_sgd", "sync.warmup_steps=-1"], "sync.warmup_steps=-1 is not allowed"),
+    (["sync=local_sgd", "+sync.compression=powersgd"],
+     "sync.compression: unknown key for gradsync.local_sgd.LocalSGD; accepted keys: comm_dtype, "
+     "every, warmup_steps"),
+    (["sync=diloco", "+sync.powersgd_rank=2"], "sync.powersgd_rank: unknown key for "
+     "gradsync.local_sgd.DiLoCo"),
+    (["sync=local_sgd", "+sync.overflow_consensus=true"],
+     "sync.overflow_consensus: unknown key for gradsync.local_sgd.LocalSGD"),
+    (["sync=local_sgd", "sync.comm_dtype=fp16"], "sync.comm_dtype='fp16' is not allowed: one "
+     "of fp32, bf16"),
+    (["sync=diloco", "sync.outer_momentum=0"], "sync.outer_nesterov=true needs "
+     "sync.outer_momentum > 0"),
+    (["sync=diloco", "sync.outer_lr=0"], "sync.outer_lr=0 is not allowed: a number > 0"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_options_are_one_line_config_errors(args, expected):
+    cfg = compose_plain(args)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cuda_available=False)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+# DiLoCo with AdamW inside, dropout (each rank its own masks), fp16 with rank 1's scaler backed
+# off at window 2: checkpoints every 2 windows, averagings every 3.
+RESUME = [*RUN, "optimizer=adamw", "optimizer.lr=0.01", "model.dropout=0.1", "precision=fp16",
+          "sync=diloco", "sync.every=3", "trainer.checkpoint_every=2",
+          "trainer.keep_checkpoints=50"]
+
+
+def test_resuming_between_two_averagings_ends_bitwise_like_the_uninterrupted_run(pool2,
+                                                                                  tmp_path):
+    from configs import SAME, losses
+    from gradsync import checkpoint
+
+    ref0, ref1 = pool2.run(local_sgd_cases.recorded_run, plain_cfg(RESUME),
+                           str(tmp_path / "ref"), 1, 2)
+    assert ref0["summary"]["local_skipped_steps"] == [0, 1]
+    ckpt = checkpoint.step_path(tmp_path / "ref" / "checkpoints", 4)
+    state = checkpoint.load(ckpt)  # weights_only=True
+    assert state["policy"]["in_sync"] is False and state["progress"]["windows"] == 4
+    own = [torch.cat([v.flatten() for v in r["own"]["model"].values()]) for r in state["ranks"]]
+    assert torch.equal(own[0], ref0["snaps"][3][2]) and torch.equal(own[1], ref1["snaps"][3][2])
+    assert torch.allclose(params(state), (own[0] + own[1]) / 2)  # the deployable mean
+    assert state["ranks"][1]["own"]["grad_scaler"]["scale"] == \
+        state["ranks"][0]["own"]["grad_scaler"]["scale"] / 2
+    assert state["policy"]["outer"]["state"]  # Nesterov momentum after the averaging at 3
+
+    out0, _ = pool2.run(local_sgd_cases.recorded_run, plain_cfg([*RESUME, f"resume={ckpt}"]),
+                        str(tmp_path / "resumed"))
+    assert losses(out0["rows"]) == losses(ref0["rows"])[4:]
+    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
+    assert {k: out0["summary"][k] for k in keys} == {k: ref0["summary"][k] for k in keys}
+    for name, value in ref0["ckpt"]["model"].items():
+        assert torch.equal(out0["ckpt"]["model"][name], value), name
+
+
+@pytest.mark.slow
+def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(
+        pool2, tmp_path, cli_env):
+    """A real gradsync-train job and its workers die by SIGKILL after the checkpoint of window 6
+    (averagings every 7 windows); whatever it wrote after that checkpoint is removed but its
+    rows, so the resume starts between two averagings whenever the kill landed; resume=auto in
+    its run dir (the worker's own resolution, on the pool: one command-line start less) ends
+    where the uninterrupted run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from configs import SAME, losses
+    from gradsync import checkpoint
+
+    args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=10", "trainer.log_every=1000",
+            "trainer.checkpoint_every=3", "trainer.keep_checkpoints=50", "seed=3"]
+    ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
+    run_dir = tmp_path / "run"
+
+    first = subprocess.Popen(
+        [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env,
+        start_new_session=True)
+    try:
+        end = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step_00000006.json").exists():
+            assert first.poll() is None and time.monotonic() < end, first.communicate()
+            time.sleep(0.005)
+        os.killpg(first.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
+    for other in checkpoint.complete(run_dir / "checkpoints"):
+        if other.name != "step_00000006.pt":
+            other.with_suffix(".json").unlink()
+            other.unlink()
+    newest = checkpoint.complete(run_dir / "checkpoints")[0]
+    start = checkpoint.load(newest)
+    assert start["progress"]["windows"] == 6 and start["policy"]["in_sync"] is False
+    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*args, "resume=auto"]),
+                       str(run_dir))
+    assert Path(out["summary"]["resumed_from"]).resolve() == newest.resolve()
+    assert losses(out["rows"]) == losses(ref["rows"])  # metrics.jsonl: every window once
+    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
+    assert {k: out["summary"][k] for k in keys} == {k: ref["summary"][k] for k in keys}
+    for name, value in ref["params"].items():
+        assert torch.equal(out["params"][name], value), name

@@ -1,0 +1,258 @@
+"""SLURM without SLURM: its hostlists, a plain srun task's variables, GPU placement and capability
+rules, CPU threads from the affinity mask, and a preempted job (SIGUSR1 under a SLURM-like
+environment, a stand-in `scontrol` on PATH) that checkpoints, requeues itself once and, started
+again with the same command, ends bit for bit where an uninterrupted run ends.
+(Two srun-like tasks forming one job: tests/test_cluster.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_cases
+from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
+from gradsync import checkpoint, slurm
+from gradsync.devices import DeviceError, check_capability, cpu_threads, cuda_index, to_cpu
+from gradsync.train import _stopped
+
+
+@pytest.mark.parametrize("hostlist, hosts", [
+    ("gpu017", ["gpu017"]),
+    ("gpu[017-018]", ["gpu017", "gpu018"]),
+    ("gpu[001-003,010],cpu07", ["gpu001", "gpu002", "gpu003", "gpu010", "cpu07"]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),  # no padding: none added
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),  # padding kept past a new digit
+    ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01",
+                               "rack2-node02"]),
+    ("login1,node-[3,5]x,node9", ["login1", "node-3x", "node-5x", "node9"]),
+])
+def test_slurm_hostlists_expand_like_scontrol_show_hostnames(hostlist, hosts):
+    assert slurm.expand_hostlist(hostlist) == hosts
+
+
+def test_a_bad_hostlist_range_is_refused():
+    with pytest.raises(ValueError, match="bad hostlist range '9-3'"):
+        slurm.expand_hostlist("gpu[9-3]")
+
+
+SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+             "SLURM_NTASKS": "6", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4,2",
+             "SLURM_JOB_NODELIST": "gpu[009-010]"}
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "SUBMITIT_EXECUTOR", "SLURM_STEP_TASKS_PER_NODE",
+            "SLURM_STEP_NODELIST", "SLURM_NTASKS_PER_NODE", *SRUN_TASK)
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_a_plain_srun_task_becomes_an_env_rank(bare_env):
+    for key, value in SRUN_TASK.items():
+        bare_env.setenv(key, value)
+    slurm.adopt_srun_ranks()
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                      "MASTER_ADDR", "MASTER_PORT")}
+    # task 5 is the second of the 2 tasks on node 1 of "4,2"; every task derives one port
+    assert env == {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "gpu009", "MASTER_PORT": str(slurm.port_for("4242"))}
+    assert 20000 <= slurm.port_for("4242") < 60000
+
+
+@pytest.mark.parametrize("extra, adopted", [
+    ({"SLURM_NTASKS": "1"}, False),  # a one-task job spawns trainer.devices workers itself
+    ({"RANK": "0", "WORLD_SIZE": "2"}, False),  # torchrun inside an allocation: its ranks
+    ({"SUBMITIT_EXECUTOR": "slurm"}, False),  # submitit's tasks: adopt_submitit_ranks
+    ({"MASTER_PORT": "29511", "SLURM_TASKS_PER_NODE": "2(x3)"}, True),
+])
+def test_which_slurm_tasks_are_adopted(bare_env, extra, adopted):
+    for key, value in (SRUN_TASK | extra).items():
+        bare_env.setenv(key, value)
+    slurm.adopt_srun_ranks()
+    assert ("LOCAL_WORLD_SIZE" in os.environ) == adopted
+    if adopted:
+        assert os.environ["MASTER_PORT"] == "29511" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+
+
+def test_the_run_dir_and_resume_defaults_under_slurm(bare_env):
+    assert (slurm.run_name(), slurm.default_resume()) == (None, "none")
+    bare_env.setenv("SLURM_JOB_ID", "77")
+    assert (slurm.run_name(), slurm.default_resume()) == ("slurm-77", "auto")
+    assert slurm.watched_signals()[-2:] == (signal.SIGUSR1, signal.SIGUSR2)
+    bare_env.setenv("SUBMITIT_EXECUTOR", "slurm")  # submitit names dirs and requeues itself
+    assert (slurm.run_name(), slurm.default_resume()) == (None, "none")
+    assert signal.SIGUSR1 not in slurm.watched_signals()
+
+
+@pytest.mark.parametrize("visible, local_rank, local_world, same_view, index", [
+    (1, 0, 1, True, 0),
+    (1, 1, 2, False, 0),  # srun --gpus-per-task=1: every task sees its own GPU as cuda:0
+    (4, 3, 4, True, 3),
+    (4, 3, 4, False, 3),
+    (8, 1, 2, False, 1),
+])
+def test_each_rank_picks_its_gpu(visible, local_rank, local_world, same_view, index):
+    assert cuda_index(visible, local_rank, local_world, same_view) == index
+
+
+@pytest.mark.parametrize("visible, local_world, same_view", [(2, 4, False), (1, 2, True),
+                                                            (3, 4, True)])
+def test_more_ranks_than_gpus_is_one_line_naming_both(visible, local_world, same_view,
+                                                       monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5"[:2 * visible - 1])
+    with pytest.raises(DeviceError) as e:
+        cuda_index(visible, 0, local_world, same_view)
+    text = str(e.value)
+    assert "\n" not in text
+    assert text.startswith(f"{local_world} ranks on this node need one GPU each on nccl, but "
+                           f"{visible} GPU")
+    assert f"visible (CUDA_VISIBLE_DEVICES={'3,4,5'[:2 * visible - 1]})" in text
+
+
+def test_bf16_is_refused_where_the_gpu_only_emulates_it():
+    check_capability("bf16", 0, (8, 0), "A100")
+    check_capability("fp16", 1, (7, 0), "V100")
+    with pytest.raises(DeviceError) as e:
+        check_capability("bf16", 1, (7, 0), "Tesla V100")
+    assert str(e.value) == ("precision.name='bf16' is not native on cuda:1 (Tesla V100, compute "
+                            "capability 7.0; bf16 needs 8.0): choose fp16 or fp32")
+
+
+def test_threads_come_from_the_cpus_this_process_may_use():
+    """The affinity mask of the calling thread, as taskset or SLURM's --cpus-per-task set it
+    (os.cpu_count() counts the whole machine)."""
+    result: dict[str, int] = {}
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+        result["one rank"] = cpu_threads(1)
+        result["two ranks"] = cpu_threads(2)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join()
+    assert result == {"one rank": 1, "two ranks": 1}
+    assert cpu_threads(1) == len(os.sched_getaffinity(0))
+
+
+def test_a_checkpoint_state_is_copied_to_the_cpu_keeping_its_structure():
+    t = torch.arange(3.0)
+    tree = {"a": [t, (t, 2)], "b": {"c": "x"}}
+    out = to_cpu(tree)
+    assert out["a"][1][1] == 2 and out["b"] == {"c": "x"} and isinstance(out["a"][1], tuple)
+    assert torch.equal(out["a"][0], t) and out["a"][0].device.type == "cpu"
+
+
+def fake_scontrol(tmp: Path, code: int = 0) -> tuple[Path, Path]:
+    """A directory holding an `scontrol` that records its arguments; and the record."""
+    bin_dir, record = tmp / "bin", tmp / "scontrol.calls"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {record}\nexit {code}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return bin_dir, record
+
+
+@pytest.mark.parametrize("requeue, code", [(True, 0), (False, 0), (True, 1)])
+def test_a_preempted_slurm_run_requeues_once_unless_told_not_to(bare_env, tmp_path, capsys,
+                                                                  requeue, code):
+    bin_dir, record = fake_scontrol(tmp_path, code)
+    bare_env.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    bare_env.setenv("SLURM_JOB_ID", "4242")
+    summary = {"stopped_by": "SIGUSR1", "optimizer_steps": 7, "checkpoint": "c.pt"}
+    with pytest.raises(SystemExit) as e:
+        _stopped(tmp_path, summary, requeue)
+    assert e.value.code == 128 + signal.SIGUSR1
+    err = capsys.readouterr().err
+    assert "stopped by SIGUSR1 after optimizer step 7; checkpoint c.pt" in err
+    if not requeue:
+        assert not record.exists() and "continue with: gradsync-train resume=auto" in err
+    else:
+        assert record.read_text() == "requeue 4242\n"
+        assert ("requeued SLURM job 4242" if code == 0 else
+                "scontrol requeue 4242 failed (exit code 1)") in err
+    # SIGTERM keeps today's checkpoint-and-stop: no requeue
+    record.unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        _stopped(tmp_path, summary | {"stopped_by": "SIGTERM"}, True)
+    assert not record.exists()
+
+
+# --- a preempted job, end to end --------------------------------------------------------------
+ARGS = [*EXACT_RESUME, "trainer.max_epochs=20", "trainer.log_every=1",
+        "trainer.checkpoint_every=25", "seed=5"]
+STEPS = 20 * STEPS_PER_EPOCH
+
+
+@pytest.fixture(scope="module")
+def reference(pool2, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(ARGS), str(run_dir))
+    assert r0["summary"]["optimizer_steps"] == STEPS
+    return r0
+
+
+def rows_so_far(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sigusr1_under_slurm_checkpoints_requeues_and_the_same_command_continues_bitwise(
+        reference, tmp_path, cli_env):
+    """A one-task SLURM job (its 2 workers spawned) gets SLURM's warning; the same command
+    started again (what a requeued job runs) resumes from outputs/runs/slurm-<id> by itself."""
+    bin_dir, record = fake_scontrol(tmp_path)
+    env = cli_env | {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{cli_env['PATH']}"}
+    cmd = [sys.executable, "-m", "gradsync.train", *ARGS]
+    run_dir = tmp_path / "outputs" / "runs" / "slurm-4242"
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        end = time.monotonic() + 240
+        while rows_so_far(run_dir / "metrics.jsonl") < 5 and job.poll() is None:
+            assert time.monotonic() < end, "no training progress"
+            time.sleep(0.01)
+        job.send_signal(signal.SIGUSR1)
+        _, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 128 + signal.SIGUSR1, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["optimizer_steps"]
+    assert (summary["status"], summary["stopped_by"]) == ("interrupted", "SIGUSR1")
+    assert 5 <= stopped < STEPS
+    assert summary["checkpoint"] == str(checkpoint.step_path(run_dir / "checkpoints", stopped))
+    assert summary["peak_gpu_mem_mb"] is None  # the CPU's
+    assert record.read_text() == "requeue 4242\n"  # once, by the rank-0 task, after the ckpt
+    assert "requeued SLURM job 4242" in err
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {summary['checkpoint']}" in again.stderr
+    assert record.read_text() == "requeue 4242\n"
+    assert list((tmp_path / "outputs" / "runs").iterdir()) == [run_dir]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses(rows) == losses(reference["rows"])
+    params = checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+    for name, value in reference["params"].items():
+        assert torch.equal(params[name], value), name
+    final = json.loads((run_dir / "summary.json").read_text())
+    assert final["status"] == "completed"
+    assert {k: final[k] for k in SAME} == {k: reference["summary"][k] for k in SAME}
