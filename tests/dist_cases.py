@@ -84,6 +84,25 @@ def train_run(cfg: dict, run_dir: str) -> dict:
     return {"summary": summary, "params": params}
 
 
+def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] | None]:
+    """The worker's real run_training, the parts it builds first passed through wrap(parts) (to
+    record or poison something); returns the summary and rank 0's rows of metrics.jsonl."""
+    import json
+
+    from gradsync import worker
+
+    build = worker.build_parts
+    worker.build_parts = lambda *args, **kw: wrap(build(*args, **kw))
+    try:
+        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
+    finally:
+        worker.build_parts = build
+    rows = None
+    if dist.get_rank() == 0:
+        rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
 def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
     """train_run plus the rows of metrics.jsonl (rank 0). dir_per_rank: each rank gets
     run_dir/rank<r>, as nodes without a shared disk would under torchrun."""

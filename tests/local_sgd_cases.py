@@ -4,14 +4,13 @@ every window (and after the final averaging), optionally with an inf loss inject
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from gradsync import checkpoint, worker
-from gradsync.settings import RunConfig
+import dist_cases
+from gradsync import checkpoint
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -23,12 +22,10 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     finish(): (windows_done, averaged?, this rank's flat parameters). inf_rank's loss is
     multiplied by inf during window inf_window (counted from 1, resumed runs included): an fp16
     overflow on that rank only."""
-    build = worker.build_parts
     snaps: list[tuple] = []
     scales: list[float] = []
 
-    def recording(*args, **kw):
-        p = build(*args, **kw)
+    def recording(p):
         policy = p.policy.impl  # the LocalSGD / DiLoCo object the loop reaches through Policy
         after_window, finish = policy.after_window, policy.finish
 
@@ -55,14 +52,9 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
             p.loss = poisoned
         return p
 
-    worker.build_parts = recording
-    try:
-        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
-    finally:
-        worker.build_parts = build
+    summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
     out: dict = {"summary": summary, "snaps": snaps, "scales": scales}
     if dist.get_rank() == 0:
-        out["rows"] = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text()
-                       .splitlines()]
+        out["rows"] = rows
         out["ckpt"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")
     return out

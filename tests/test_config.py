@@ -146,7 +146,7 @@ REFUSED = [
     (["+model.d_model=64"], "model.d_model: unknown key for gradsync.models.MLP; accepted "
      "keys: activation, dropout, hidden_sizes"),
     (["+sync.comm_dtype=fp16"], "sync.comm_dtype: unknown key for "
-     "gradsync.policies.AccumulateSync; accepted keys: compression, powersgd_rank"),
+     "gradsync.policies.AccumulateSync; accepted keys: compression, groups, powersgd_rank"),
     (["+sync.uses_scaler=true"], "sync.uses_scaler: set by gradsync at run time"),
     (["schedule=constant", "+schedule.global_batch_size=64"],
      "schedule.global_batch_size: unknown key; allowed keys: accum_steps, name"),
@@ -196,7 +196,7 @@ BAD = [
     (["+bogus=1"], "bogus: unknown key; allowed keys: data, loss, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.policies.AccumulateSync; "
-     "accepted keys: compression, powersgd_rank, powersgd_start_step"),
+     "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
     (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
     (["data.test_fraction=1.5"], "data.test_fraction=1.5 is not allowed: a number in (0, 1)"),

@@ -208,12 +208,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     rows, so the resume starts between two averagings whenever the kill landed; resume=auto in
     its run dir (the worker's own resolution, on the pool: one command-line start less) ends
     where the uninterrupted run ends."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
+    from cli_jobs import kill_9_when, start_job
     from configs import SAME, losses
     from gradsync import checkpoint
 
@@ -222,21 +217,8 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
     run_dir = tmp_path / "run"
 
-    first = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env,
-        start_new_session=True)
-    try:
-        end = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "step_00000006.json").exists():
-            assert first.poll() is None and time.monotonic() < end, first.communicate()
-            time.sleep(0.005)
-        os.killpg(first.pid, signal.SIGKILL)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-        first.communicate()
-    assert first.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
+    kill_9_when(start_job(run_dir, args, cli_env), run_dir / "checkpoints" / "step_00000006.json")
+    assert not (run_dir / "summary.json").exists()
     for other in checkpoint.complete(run_dir / "checkpoints"):
         if other.name != "step_00000006.pt":
             other.with_suffix(".json").unlink()

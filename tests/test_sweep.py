@@ -249,7 +249,7 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
         assert s["optimizer_steps"] == 3 and s["sync_backwards"] == [3, 3]
     md = (sweep_dir / "sweep_summary.md").read_text()
     assert "3 jobs: 2 completed, 1 failed." in md
-    failed_line = next(line for line in md.splitlines() if line.startswith("| 1 | -1 | failed |"))
+    failed_line = next(line for line in md.splitlines() if line.startswith("| 1 | 2 | failed |"))
     assert failed_line.endswith(f"| {rows[1]['error']} |")
     assert (sweep_dir / "sweep.png").read_bytes()[:8] == PNG_SIGNATURE
 

@@ -6,7 +6,7 @@ pass it as the inner hook and keep these counts.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,30 @@ class CommCounts:
     allreduce_calls: int = 0
     allreduce_bytes: int = 0
     sync_backwards: int = 0
+    # per parameter group of sync.groups (layer_sync.py): name -> [calls, bytes]; a call counts
+    # for every group whose tensors it carried
+    groups: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, calls: int, nbytes: int, group: str | None = None) -> None:
+        """Count all-reduces made outside the counting hook (a policy's averaging)."""
+        self.allreduce_calls += calls
+        self.allreduce_bytes += nbytes
+        if group is not None:
+            self.add_to_group(group, calls, nbytes)
+
+    def add_to_group(self, group: str, calls: int, nbytes: int) -> None:
+        row = self.groups.setdefault(group, [0, 0])
+        row[0] += calls
+        row[1] += nbytes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one call of a comm hook put on the wire: all-reduce calls, bytes, and per group."""
+
+    calls: int
+    nbytes: int
+    groups: dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,8 @@ class InnerHook:
     # bytes the last call put on the wire (PowerSGD); None: the whole bucket in wire_dtype,
     # an all-reduce that the shared-memory transport can do instead
     sent: Callable[[Any, dist.GradBucket], int] | None = None
+    # per-group accounting of a bucket (sync.groups); None: one call, counted as sent says
+    traffic: Callable[[dist.GradBucket], Traffic] | None = None
 
 
 # DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.
@@ -62,8 +88,15 @@ def counting_hook(
     inner, buf = state.inner, bucket.buffer()
     whole = buf.numel() * (inner.wire_dtype or buf.dtype).itemsize
     fut = inner.hook(inner.state, bucket)
-    state.counts.allreduce_calls += 1
-    state.counts.allreduce_bytes += whole if inner.sent is None else inner.sent(inner.state, bucket)
+    if inner.traffic is not None:
+        t = inner.traffic(bucket)
+        state.counts.add(t.calls, t.nbytes)
+        for group, (calls, nbytes) in t.groups.items():
+            state.counts.add_to_group(group, calls, nbytes)
+    else:
+        state.counts.allreduce_calls += 1
+        state.counts.allreduce_bytes += (whole if inner.sent is None
+                                         else inner.sent(inner.state, bucket))
     if bucket.is_last():
         state.counts.sync_backwards += 1
     return fut

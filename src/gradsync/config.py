@@ -10,6 +10,7 @@ own checks (components.py). Only this module and ``train.py`` import Hydra or Om
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from gradsync.components import (
     parameters,
     require,
 )
+from gradsync.layer_sync import model_parameters
 from gradsync.normalize import CHOICES as NORMALIZE_CHOICES
 from gradsync.precision import DTYPES, autocast_runs
 from gradsync.settings import (
@@ -194,7 +196,13 @@ def check_components(cfg: dict[str, Any], world: int) -> None:
     require(isinstance(data_node, dict) and isinstance(data_node.get("micro_batch_size"), int)
             and data_node["micro_batch_size"] >= 1, "data.micro_batch_size", "an integer >= 1",
             data_node.get("micro_batch_size") if isinstance(data_node, dict) else data_node)
-    ctx = CheckContext("", world, precision, provided={"allreduce": cfg["trainer"]["allreduce"]})
+    ctx = CheckContext("", world, precision, provided={
+        "allreduce": cfg["trainer"]["allreduce"],
+        "clip_grad_norm": cfg["trainer"]["clip_grad_norm"],
+        # the model's (name, shape, dtype) of every parameter, built on the meta device when a
+        # check asks (sync.groups); after the data and model checks passed
+        "parameters": functools.cache(lambda: model_parameters(cfg["model"], data_node,
+                                                               cfg["seed"], EXTRA["data"]))})
     data = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"), EXTRA["data"])
     provides = tuple(getattr(data, "sizes", DATA_SIZES))
     unit = getattr(data, "unit", "samples")

@@ -21,8 +21,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from gradsync.comm import InnerHook, allreduce_in
+from gradsync.comm import CommCounts, InnerHook, allreduce_in
 from gradsync.components import CheckContext, ConfigError, checks, require
+from gradsync.layer_sync import LayerSync, Rules, check_groups
 from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
 
@@ -48,8 +49,17 @@ class SyncPolicy(Protocol):
     # syncs_parameters: bool         True: the policy keeps the replicas consistent itself
     #                                (averaging parameters); windows may then end unsynchronised
     # overflow: OverflowCounts       counters of the overflow handling
+    # own_replicas: bool             True: some parameters (and their optimizer state) differ
+    #                                across ranks between averagings: checkpoints keep every
+    #                                rank's model and optimizer (sync.groups with `every`;
+    #                                implied by syncs_parameters)
     # replica_drift: float | None    set by after_window/finish when they averaged: this rank's
     #                                ||theta_r - theta_mean|| / ||theta_mean|| just before
+
+    def bind(self, model: nn.Module) -> list[str]:
+        """Before DDP wraps the model: the names of parameters DDP must leave alone (neither
+        broadcast nor all-reduce them): the policy keeps them consistent itself."""
+        ...
 
     def comm_hook(self) -> InnerHook:
         """The all-reduce DDP runs on a syncing backward (the counting hook wraps it)."""
@@ -98,6 +108,11 @@ class Policy:
         self.name: str = getattr(impl, "name", type(impl).__name__)
         self.syncs_parameters = bool(getattr(impl, "syncs_parameters", False))
         self.overflow: OverflowCounts = getattr(impl, "overflow", None) or OverflowCounts()
+        self.own_replicas = self.syncs_parameters or bool(getattr(impl, "own_replicas", False))
+
+    def bind(self, model: nn.Module) -> list[str]:
+        bind = getattr(self.impl, "bind", None)
+        return list(bind(model)) if bind else []
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return bool(self.impl.should_sync(micro_index, window_size))
@@ -150,13 +165,35 @@ def last_micro_batch(micro_index: int, window_size: int) -> bool:
 
 
 class Compression:
-    """What a policy's all-reduce sends: the bucket (in its dtype or a wire dtype), or PowerSGD
-    factors. One place answers which dtype goes on the wire."""
+    """What a policy's all-reduce sends: the bucket (in its dtype or a wire dtype), PowerSGD
+    factors, or each parameter group's gradients in its own wire dtype (sync.groups, whose
+    groups with `every` are averaged instead: layer_sync.py). One place answers which dtype goes
+    on the wire and what the policy syncs itself."""
 
-    def __init__(self, wire_dtype: torch.dtype | None = None, powersgd: PowerSGD | None = None):
+    def __init__(self, wire_dtype: torch.dtype | None = None, powersgd: PowerSGD | None = None,
+                 groups: Rules = (), counts: CommCounts | None = None):
         self.wire_dtype, self.powersgd = wire_dtype, powersgd
+        counts = counts if counts is not None else CommCounts()
+        self.layers = LayerSync(groups, wire_dtype, counts) if groups else None
+        self.own_replicas = self.layers is not None and self.layers.averages
+
+    def bind(self, model: nn.Module) -> list[str]:
+        return self.layers.bind(model) if self.layers else []
+
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
+        if self.layers:
+            self.layers.after_window(windows_done)
+
+    def finish(self, model: nn.Module) -> None:
+        if self.layers:
+            self.layers.finish()
+
+    def replicas_in_sync(self) -> bool:
+        return self.layers.in_sync if self.layers else True
 
     def comm_hook(self) -> InnerHook:
+        if self.layers is not None:
+            return self.layers.comm_hook()
         if self.powersgd is None:
             return allreduce_in(self.wire_dtype)
         return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes)
@@ -166,10 +203,29 @@ class Compression:
             self.powersgd.forget()  # its memory of the skipped window holds inf/nan
 
 
-def make_wire(name: str, rank: int, start_step: int,
-              wire_dtype: torch.dtype | None = None) -> Compression:
+def make_wire(name: str, rank: int, start_step: int, wire_dtype: torch.dtype | None = None,
+              groups: Rules = (),
+              counts: CommCounts | None = None) -> Compression:
     return Compression(wire_dtype, build_powersgd(rank, start_step) if name == "powersgd"
-                       else None)
+                       else None, groups, counts)
+
+
+# The protocol members the wire answers for in accumulate and amp_aware (bound in __init__).
+WIRE_MEMBERS = ("comm_hook", "after_step", "bind", "after_window", "finish", "replicas_in_sync")
+
+
+def answer_with(policy: Any, part: Any, members: tuple[str, ...]) -> None:
+    """Composition without a delegating method per member: the policy's members are the
+    part's bound methods."""
+    for member in members:
+        setattr(policy, member, getattr(part, member))
+
+
+def flag_agreement(wire: Compression, uses_scaler: bool) -> OverflowConsensus | None:
+    """fp16 with groups that are averaged instead of all-reduced: their gradients are each
+    rank's own, so the scaler's inf/nan flags must be made the same on every rank (MAX
+    all-reduce) or one rank would skip a step the others take."""
+    return OverflowConsensus() if uses_scaler and wire.own_replicas else None
 
 
 class OverflowConsensus:
@@ -226,26 +282,35 @@ def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
                           "use trainer.allreduce=auto or process_group")
 
 
-@checks(_check_compression)
+def _check_accumulate(a: dict[str, Any], ctx: CheckContext) -> None:
+    _check_compression(a, ctx)
+    check_groups(a, ctx, "fp32")
+
+
+@checks(_check_accumulate)
 class AccumulateSync:
     """Only the last micro-batch of each window (a short last window included) all-reduces;
     with compression=powersgd, rank-r factors of the gradients instead of the gradients
-    (approximate)."""
+    (approximate); with groups, per-layer rules (layer_sync.py)."""
 
     name = "accumulate"
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10):
-        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step)
+                 powersgd_start_step: int = 10, groups: Rules = (),
+                 uses_scaler: bool = False, counts: CommCounts | None = None):
+        self.wire = make_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
+                              counts)
+        answer_with(self, self.wire, WIRE_MEMBERS)
+        self.own_replicas = self.wire.own_replicas
+        self.agreement = flag_agreement(self.wire, uses_scaler)
+        self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
 
-    def comm_hook(self) -> InnerHook:
-        return self.wire.comm_hook()
-
-    def after_step(self, stepped: bool) -> None:
-        self.wire.after_step(stepped)
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        if self.agreement is not None:
+            self.agreement.agree_on_overflow(found_inf)
 
 
 def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
@@ -259,6 +324,7 @@ def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
     if a["compression"] == "powersgd" and a["comm_dtype"] != "fp32":
         raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
                           f"sync.comm_dtype=fp32 (not {a['comm_dtype']!r})")
+    check_groups(a, ctx, a["comm_dtype"])
 
 
 @checks(_check_amp_aware)
@@ -270,20 +336,18 @@ class AmpAwareSync:
 
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10, uses_scaler: bool = False):
+                 powersgd_start_step: int = 10, groups: Rules = (),
+                 uses_scaler: bool = False, counts: CommCounts | None = None):
         self.wire = make_wire(compression, powersgd_rank, powersgd_start_step,
-                              DTYPES[comm_dtype])
+                              DTYPES[comm_dtype], groups, counts)
+        answer_with(self, self.wire, WIRE_MEMBERS)
+        self.own_replicas = self.wire.own_replicas
         self.consensus = OverflowConsensus() if overflow_consensus and uses_scaler else None
-        self.overflow = self.consensus.overflow if self.consensus else OverflowCounts()
+        self.agreement = self.consensus or flag_agreement(self.wire, uses_scaler)
+        self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
-
-    def comm_hook(self) -> InnerHook:
-        return self.wire.comm_hook()
-
-    def after_step(self, stepped: bool) -> None:
-        self.wire.after_step(stepped)
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:
@@ -291,8 +355,8 @@ class AmpAwareSync:
                                                                            window_size)
 
     def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        if self.consensus is not None:
-            self.consensus.agree_on_overflow(found_inf)
+        if self.agreement is not None:
+            self.agreement.agree_on_overflow(found_inf)
 
 
 def sync_context(ddp: DistributedDataParallel, sync: bool):

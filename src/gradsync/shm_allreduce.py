@@ -17,7 +17,7 @@ import os
 import socket
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +160,10 @@ def over_shared_memory(inner: InnerHook, params: list[torch.nn.Parameter],
     """The policy's all-reduce (inner: exact or a compress hook's wire dtype) done through
     shared memory. mode: auto (when every rank is on this host, else inner unchanged) or
     shared_memory (an error otherwise). Collective over the default group."""
-    if inner.sent is not None:  # not a plain all-reduce of the bucket (PowerSGD)
-        if mode == "shared_memory":
-            raise RuntimeError("trainer.allreduce=shared_memory all-reduces whole buckets; "
-                               "sync.compression=powersgd needs process_group or auto")
+    if inner.sent is not None:  # not a plain all-reduce of the bucket (PowerSGD, sync.groups
+        if mode == "shared_memory":  # of several wire dtypes)
+            raise RuntimeError("trainer.allreduce=shared_memory all-reduces whole buckets in one "
+                               "dtype; this policy's all-reduce needs process_group or auto")
         return inner
     grads = sum(p.numel() * p.element_size() for p in params)
     capacity = (-(-grads // ALIGN) + len(params) + 1) * ALIGN  # each bucket padded to ALIGN
@@ -174,4 +174,4 @@ def over_shared_memory(inner: InnerHook, params: list[torch.nn.Parameter],
                                f"able to map a file in {SHM_DIR} (auto falls back to gloo)")
         return inner
     state = SharedSlots(slots, dist.get_rank(), dist.get_world_size(), inner.wire_dtype)
-    return InnerHook(shm_hook, state, inner.wire_dtype)
+    return replace(inner, hook=shm_hook, state=state)  # per-group counting stays

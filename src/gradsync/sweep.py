@@ -127,6 +127,28 @@ def _loss_spread(rows: list[dict[str, Any]]) -> str:
             f"spread {hi - lo:.3g} (relative {rel:.3g}).")
 
 
+def _against_first(rows: list[dict[str, Any]]) -> list[str]:
+    """When the jobs move different all-reduce bytes (per-layer rules, wire dtypes, local SGD):
+    each job's bytes and final losses against the first completed job's: what it saves and
+    what that costs."""
+    done = [r for r in rows if r["status"] == "completed"]
+    if len(done) < 2 or len({r["allreduce_bytes"] for r in done}) < 2:
+        return []
+    first = done[0]
+    lines = [f"Against job {first['job']} ({first['overrides'] or 'no overrides'}):"]
+    for r in done[1:]:
+        ratio = r["allreduce_bytes"] / first["allreduce_bytes"] if first["allreduce_bytes"] \
+            else math.inf
+        parts = [f"all-reduce bytes x{ratio:.3f} ({(1 - ratio) * 100:.1f} % saved)"]
+        for key in ("final_train_loss", "eval_loss"):
+            if key in r and key in first:
+                delta = r[key] - first[key]
+                rel = delta / abs(first[key]) * 100 if first[key] else math.inf
+                parts.append(f"{key.replace('_', ' ')} {delta:+.4g} ({rel:+.2f} %)")
+        lines.append(f"- job {r['job']}: " + ", ".join(parts))
+    return lines
+
+
 def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
              rows: list[dict[str, Any]]) -> str:
     """The table a person reads: the swept values, what differs, and the final numbers."""
@@ -149,7 +171,8 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
         cells = [_cell(c, row.get(c, "")).replace("|", "\\|") for c in shown]
         lines.append("| " + " | ".join(cells) + " |")
     spread = _loss_spread(rows)
-    lines += ["", *([spread, ""] if spread else []),
+    against = _against_first(rows)
+    lines += ["", *([spread, ""] if spread else []), *([*against, ""] if against else []),
               "Per-rank counters are rank 0's; peak RSS is the largest worker's. Loss curves "
               "and samples/s: sweep.png. Every column: sweep_summary.csv. HParams: "
               f"`tensorboard --logdir {sweep_dir}`.", ""]

@@ -333,9 +333,34 @@ def _chosen_option(group: str) -> dict:
 
 
 MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
+INSPECT_PARAMS = "+inspect=params"
+
+
+def inspect_params(overrides: list[str]) -> None:
+    """`gradsync-train ... +inspect=params`: the model's parameters (name, shape, bytes) and the
+    sync.groups rule each one falls under, from the config the same overrides compose; nothing
+    is trained and no run dir is made. Exit 2 with one line for a bad config."""
+    from gradsync.layer_sync import describe, model_parameters
+
+    try:
+        plain = compose_plain(overrides)
+        validate(plain, torch.cuda.is_available())
+        sync = plain["sync"]
+        infos = model_parameters(plain["model"], plain["data"], plain["seed"])
+        print(describe(infos, sync.get("groups"), sync.get("comm_dtype", "fp32")))
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        message = str(e) if isinstance(e, ConfigError) else one_line(e)
+        print(f"gradsync: config error: {_first_line(message)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
+    if INSPECT_PARAMS in sys.argv[1:]:
+        cwd_importable()
+        inspect_params([a for a in sys.argv[1:] if a != INSPECT_PARAMS])
+        return
     slurm.adopt_srun_ranks()  # a plain srun task becomes an env:// rank, as under torchrun
     if under_torchrun() and MULTIRUN_FLAGS & set(sys.argv[1:]):
         # Each job of a sweep joins a process group again through the same torchrun store,

@@ -40,7 +40,8 @@ def rank_counters(p: Parts) -> dict[str, Any]:
     return out if averaging is None else out | {"averaging": averaging}
 
 
-# With a policy that syncs parameters each rank trains its own replica between averagings: these
+# With a policy whose replicas differ between averagings (own_replicas: one that syncs parameters,
+# or sync.groups with `every`) each rank trains its own replica, wholly or in part: these
 # components are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
 OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
 
@@ -75,7 +76,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
     mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
-    if p.policy.syncs_parameters:
+    if p.policy.own_replicas:
         parts = components(p)
         mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     writer = is_rank0()  # gathers every rank's part and writes the file
@@ -89,7 +90,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none
     out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
-    if p.policy.syncs_parameters and not p.policy.replicas_in_sync():
+    if p.policy.own_replicas and not p.policy.replicas_in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
                config=cfg, config_hash=config_hash(cfg))

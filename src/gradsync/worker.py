@@ -83,6 +83,9 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     counts = CommCounts()  # DDP's all-reduces, and a policy's own (local SGD's averaging)
     policy = Policy(build(cfg.sync, {"uses_scaler": precision.scaler is not None,
                                      "world_size": world_size, "counts": counts}))
+    ignored = policy.bind(model)
+    if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -215,7 +218,7 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
             "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
             "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
             "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
-            "averaging": None if a is None else asdict(a)}
+            "averaging": None if a is None else asdict(a), "groups": c.groups}
     gathered: list[Any] = [None] * p.s.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -253,7 +256,18 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "allreduce": p.s.allreduce,
         "seed": cfg.seed,
-    } | (averaging_summary(per_rank("averaging")) if a is not None else {})
+    } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
+      | group_summary(per_rank("groups"))
+
+
+def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """sync.groups: each group's all-reduce calls and bytes per rank (`rest`: the parameters
+    no rule matched)."""
+    if not per_rank[0]:
+        return {}
+    return {"allreduce_groups": {g: {"calls": [r[g][0] for r in per_rank],
+                                     "bytes": [r[g][1] for r in per_rank]}
+                                 for g in per_rank[0]}}
 
 
 def averaging_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,335 @@
+"""Per-layer sync control: ``sync.groups``, an ordered list of rules over parameter names, first
+match wins. Each rule is ``{params: <glob>|<glob>, comm_dtype: fp32|bf16|fp16, every: K,
+name: <label>}``:
+
+- ``comm_dtype``: the wire dtype of the group's gradient all-reduce (default: the policy's);
+- ``every: K``: the group's gradients are never all-reduced: DDP leaves its parameters alone
+  (``_set_params_and_buffers_to_ignore_for_model``) and every K windows they are averaged over
+  ranks with the same mechanism as local SGD (``averaging.average_``, fp32), and once more when
+  the run ends. Optimizer state stays per rank (checkpoints keep each rank's, trainstate.py).
+
+Parameters no rule matches (the group ``rest``) follow the policy. Inside one DDP bucket the
+gradients of different wire dtypes go out in one all-reduce per dtype (``grouped_allreduce``);
+when every synchronised parameter shares one wire dtype the policy's own single all-reduce runs,
+through the shared-memory transport where it applies. Counted per group: the all-reduces that
+carried some of the group's tensors and the bytes of the group's tensors in them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.averaging import average_
+from gradsync.comm import CommCounts, InnerHook, Traffic, allreduce_in
+from gradsync.components import CheckContext, ConfigError, build, require
+from gradsync.precision import DTYPES
+
+REST = "rest"  # the parameters no rule matches
+# sync.groups as a policy receives it (a list from the config; the signature's default is ())
+Rules = list[dict[str, Any]] | tuple[dict[str, Any], ...]
+RULE_KEYS = ("params", "comm_dtype", "every", "name")
+SHOWN_NAMES = 24  # parameter names an error lists at most (closest first)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    params: str
+    comm_dtype: str | None = None  # None: the policy's wire dtype
+    every: int | None = None  # None: gradients all-reduced; K: parameters averaged every K windows
+
+    def matches(self, param: str) -> bool:
+        return any(fnmatchcase(param, p.strip()) for p in self.params.split("|"))
+
+    def closeness(self, param: str) -> float:
+        return max(difflib.SequenceMatcher(None, p.strip().replace("*", ""), param).ratio()
+                   for p in self.params.split("|"))
+
+    def describe(self, base: str) -> str:
+        if self.every is not None:
+            return f"averaged every {self.every} windows (fp32)"
+        return f"{self.comm_dtype or base} all-reduce"
+
+
+def parse_rules(groups: Any) -> list[Rule]:
+    """The rules of sync.groups, or a ConfigError naming the rule and the key."""
+    require(isinstance(groups, (list, tuple)), "sync.groups",
+            "a list of rules {params: <glob>, comm_dtype: ..., every: ...}", groups)
+    rules: list[Rule] = []
+    for i, g in enumerate(groups):
+        key = f"sync.groups[{i}]"
+        require(isinstance(g, dict), key, "a mapping {params: <glob>, comm_dtype, every, name}", g)
+        unknown = sorted(set(g) - set(RULE_KEYS))
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: unknown key; accepted keys: "
+                              f"{', '.join(RULE_KEYS)}")
+        params = g.get("params")
+        require(isinstance(params, str) and all(p.strip() for p in params.split("|")),
+                f"{key}.params", "a glob over parameter names, '|' between alternatives "
+                "(e.g. '*.bias|*norm*')", params)
+        dtype = g.get("comm_dtype")
+        require(dtype is None or dtype in DTYPES, f"{key}.comm_dtype",
+                f"one of {', '.join(DTYPES)}", dtype)
+        every = g.get("every")
+        require(every is None or (isinstance(every, int) and not isinstance(every, bool)
+                                  and every >= 1), f"{key}.every",
+                "an integer >= 1 (windows between averagings of the group's parameters)", every)
+        if every is not None and dtype not in (None, "fp32"):
+            raise ConfigError(f"{key}: every={every} averages the parameters themselves, in "
+                              f"fp32 (a {dtype} wire would round the weights): drop comm_dtype "
+                              "or set it to fp32")
+        name = g.get("name", params)
+        require(isinstance(name, str) and bool(name) and name != REST and "/" not in name,
+                f"{key}.name", f"a label other than {REST!r}, without '/'", name)
+        if any(r.name == name for r in rules):
+            raise ConfigError(f"{key}.name={name!r} is not allowed: another rule has this "
+                              "name (names label the counts)")
+        rules.append(Rule(name, params, dtype, every))
+    return rules
+
+
+def assign(rules: list[Rule], names: Iterable[str]) -> dict[str, Rule | None]:
+    """Each parameter's rule: the first that matches, None for the rest."""
+    return {n: next((r for r in rules if r.matches(n)), None) for n in names}
+
+
+def check_every_rule_matches(rules: list[Rule], names: list[str]) -> None:
+    taken = assign(rules, names)
+    for i, rule in enumerate(rules):
+        if any(r is rule for r in taken.values()):
+            continue
+        shadowed = any(rule.matches(n) for n in names)
+        closest = sorted(names, key=lambda n: -rule.closeness(n))
+        shown = ", ".join(closest[:SHOWN_NAMES])
+        more = (f" (and {len(names) - SHOWN_NAMES} more; +inspect=params lists them)"
+                if len(names) > SHOWN_NAMES else "")
+        why = ("matches only parameters an earlier rule takes (first match wins)" if shadowed
+               else "matches no parameter of the model")
+        raise ConfigError(f"sync.groups[{i}].params={rule.params!r} {why}; the model's "
+                          f"parameters, closest first: {shown}{more}")
+
+
+# A model's parameters as (name, shape, dtype): what the checks and +inspect=params look at.
+ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def model_parameters(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
+                     extra: Iterable[str] = ("micro_batch_size",)) -> list[ParamInfo]:
+    """Build the data (for the model's sizes) and the model on the meta device (no memory for
+    the weights; on the CPU if the model cannot be built there): its named parameters."""
+    data = build(data_node, {"seed": seed}, extra=extra)
+    try:
+        with torch.device("meta"):
+            model = build(model_node, data.sizes)
+    except Exception:
+        model = build(model_node, data.sizes)
+    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+
+
+def check_groups(a: dict[str, Any], ctx: CheckContext, base: str) -> None:
+    """sync.groups of accumulate / amp_aware (base: the policy's wire dtype). With the model's
+    parameters known (ctx.provided["parameters"], a callable), every rule must match one."""
+    groups = a.get("groups") or []
+    rules = parse_rules(groups)
+    if not rules:
+        return
+    if a.get("compression", "none") != "none":
+        raise ConfigError(f"sync.groups with sync.compression={a['compression']}: PowerSGD "
+                          "compresses whole buckets, not a group's gradients: drop one of them")
+    for i, rule in enumerate(rules):
+        if rule.comm_dtype == "fp16" and ctx.precision != "fp16":
+            raise ConfigError(f"sync.groups[{i}].comm_dtype='fp16' needs precision=fp16, not "
+                              f"{ctx.precision!r}: only its GradScaler catches an overflow of "
+                              "the fp16 all-reduce; use bf16 or fp32")
+    averaged = [r for r in rules if r.every is not None]
+    if averaged and ctx.provided.get("clip_grad_norm", 0) > 0:
+        raise ConfigError(f"sync.groups[{rules.index(averaged[0])}].every with "
+                          "trainer.clip_grad_norm > 0: each rank's gradients of an averaged "
+                          "group are its own, so the clipping factor would differ across ranks "
+                          "and the all-reduced parameters drift apart; set "
+                          "trainer.clip_grad_norm=0")
+    parameters = ctx.provided.get("parameters")
+    if parameters is None:
+        return
+    infos: list[ParamInfo] = parameters()
+    names = [n for n, _, _ in infos]
+    check_every_rule_matches(rules, names)
+    taken = assign(rules, names)
+    if all(r is not None and r.every is not None for r in taken.values()):
+        raise ConfigError("sync.groups: every parameter is in a group with `every`, so nothing "
+                          "is left for the gradient all-reduce: use sync=local_sgd")
+    wires = {wire_of(r, DTYPES[base]) for r in taken.values() if r is None or r.every is None}
+    if len(wires) > 1 and ctx.provided.get("allreduce") == "shared_memory":
+        raise ConfigError("sync.groups put gradients of different wire dtypes in one backward; "
+                          "trainer.allreduce=shared_memory all-reduces whole buckets in one "
+                          "dtype: use trainer.allreduce=auto or process_group")
+
+
+def wire_of(rule: Rule | None, base: torch.dtype | None) -> torch.dtype | None:
+    return base if rule is None or rule.comm_dtype is None else DTYPES[rule.comm_dtype]
+
+
+def describe(infos: list[ParamInfo], groups: Any, base: str) -> str:
+    """The +inspect=params table: every parameter's name, shape, bytes and rule, then the
+    groups' totals."""
+    rules = parse_rules(groups or [])
+    taken = assign(rules, [n for n, _, _ in infos])
+    rows = [("parameter", "shape", "bytes", "rule")]
+    totals: dict[str, list[int]] = {}
+    for name, shape, dtype in infos:
+        rule = taken[name]
+        label = REST if rule is None else rule.name
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        what = rule.describe(base) if rule else f"policy ({base} all-reduce)"
+        rows.append((name, str(list(shape)), str(nbytes), f"{label}: {what}"))
+        total = totals.setdefault(label, [0, 0])
+        total[0] += 1
+        total[1] += nbytes
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}"
+             for r in rows]
+    lines.append("")
+    for label, (count, nbytes) in totals.items():
+        lines.append(f"{label}: {count} tensors, {nbytes} bytes")
+    return "\n".join(lines)
+
+
+# --- at run time ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Averaged:
+    rule: Rule
+    params: list[nn.Parameter]
+
+
+class LayerSync:
+    """The groups of one run: which wire each DDP-synchronised gradient takes, which parameters
+    DDP leaves alone and this averages every K windows. A part of accumulate and amp_aware."""
+
+    def __init__(self, groups: Rules, base: torch.dtype | None,
+                 counts: CommCounts):
+        self.rules = parse_rules(groups)
+        self.base = base
+        self.counts = counts  # the run's: the averagings are counted beside DDP's all-reduces
+        self.synced: dict[int, tuple[str, torch.dtype | None]] = {}  # id(param) -> group, wire
+        self.averaged: list[Averaged] = []
+        self.windows = 0  # windows done at the last after_window
+        self.finished = False
+
+    @property
+    def averages(self) -> bool:
+        return any(r.every is not None for r in self.rules)
+
+    def bind(self, model: nn.Module) -> list[str]:
+        """Before DDP wraps the model: place every parameter; returns the names DDP must ignore
+        (the averaged groups')."""
+        named = dict(model.named_parameters())
+        check_every_rule_matches(self.rules, list(named))
+        taken = assign(self.rules, named)
+        by_rule: dict[str, Averaged] = {}
+        ignored = []
+        for name, param in named.items():
+            rule = taken[name]
+            if rule is not None and rule.every is not None:
+                by_rule.setdefault(rule.name, Averaged(rule, [])).params.append(param)
+                ignored.append(name)
+            else:
+                self.synced[id(param)] = (REST if rule is None else rule.name,
+                                          wire_of(rule, self.base))
+        self.averaged = list(by_rule.values())
+        return ignored
+
+    # --- the gradient all-reduce ------------------------------------------------------------
+    def spans(self, bucket: dist.GradBucket) -> list[tuple[str, torch.dtype | None, int, int]]:
+        """(group, wire, start, stop) of each gradient in the bucket's flat buffer."""
+        buf = bucket.buffer()
+        out = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            start = int(grad.storage_offset() - buf.storage_offset())
+            group, wire = self.synced[id(param)]
+            out.append((group, wire, start, start + int(grad.numel())))
+        return out
+
+    def traffic(self, bucket: dist.GradBucket) -> Traffic:
+        """One all-reduce per wire dtype in the bucket; each group's bytes in its wire."""
+        itemsize = bucket.buffer().element_size()
+        wires: set[torch.dtype | None] = set()
+        nbytes = 0
+        groups: dict[str, tuple[int, int]] = {}
+        for group, wire, start, stop in self.spans(bucket):
+            size = (stop - start) * (wire.itemsize if wire is not None else itemsize)
+            wires.add(wire)
+            nbytes += size
+            groups[group] = (1, groups.get(group, (1, 0))[1] + size)
+        return Traffic(len(wires), nbytes, groups)
+
+    def comm_hook(self) -> InnerHook:
+        wires = {w for _, w in self.synced.values()}
+        if len(wires) == 1:  # one wire for all: the policy's own all-reduce, shm included
+            return replace(allreduce_in(wires.pop()), traffic=self.traffic)
+        return InnerHook(grouped_allreduce, self, None,
+                         sent=lambda _, bucket: self.traffic(bucket).nbytes, traffic=self.traffic)
+
+    # --- averaging the groups with `every` ----------------------------------------------------
+    def _due(self, averaged: bool) -> list[Averaged]:
+        """The groups whose schedule averaged (True) or did not average (False) after the last
+        window."""
+        return [a for a in self.averaged if (self.windows % (a.rule.every or 1) == 0) == averaged]
+
+    @property
+    def in_sync(self) -> bool:
+        """Every averaged group is the same on every rank now (a resumed run's first answer
+        comes after its first window)."""
+        return self.finished or not self._due(False)
+
+    def after_window(self, windows_done: int) -> None:
+        self.windows, self.finished = windows_done, False
+        self._average(self._due(True))
+
+    def finish(self) -> None:
+        """After the last window's after_window: the groups it did not average are averaged
+        now, so the final evaluation and checkpoint see the consensus."""
+        self._average(self._due(False))
+        self.finished = True
+
+    def _average(self, due: list[Averaged]) -> None:
+        for a in due:
+            mine = CommCounts()
+            with torch.no_grad():
+                average_([p.data for p in a.params], None, mine)
+            self.counts.add(mine.allreduce_calls, mine.allreduce_bytes, a.rule.name)
+
+
+def grouped_allreduce(layers: LayerSync, bucket: dist.GradBucket
+                      ) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: the bucket's mean over ranks with each gradient in its group's wire
+    dtype, one all-reduce per wire dtype (as DDP's hooks: cast, divide by the world size,
+    all-reduce, copy back)."""
+    buf = bucket.buffer()
+    world = dist.get_world_size()
+    by_wire: dict[torch.dtype | None, list[tuple[int, int]]] = {}
+    for _, wire, start, stop in layers.spans(bucket):
+        by_wire.setdefault(wire, []).append((start, stop))
+    sent = []
+    for wire, spans in by_wire.items():
+        flat = torch.cat([buf[a:b] for a, b in spans]).to(wire or buf.dtype)
+        flat.div_(world)
+        sent.append((spans, flat, dist.all_reduce(flat, async_op=True)))
+
+    def copy_back(_: Any) -> torch.Tensor:
+        for spans, flat, _work in sent:
+            offset = 0
+            for a, b in spans:
+                buf[a:b].copy_(flat[offset:offset + b - a])
+                offset += b - a
+        return buf
+
+    done = torch.futures.collect_all([work.get_future() for _, _, work in sent])
+    return done.then(copy_back)
