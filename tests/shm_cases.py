@@ -73,3 +73,10 @@ def refused_across_hosts(mode: str) -> str:
 
 def shm_files() -> list[str]:
     return sorted(str(p) for p in Path(SHM_DIR).glob("gradsync-*"))
+
+
+def map_and_list() -> list[str]:
+    """Map a small shared buffer (rank 0 first removes stale files), then list what is left."""
+    slots = shm_allreduce.map_slots(1024)
+    assert slots is not None
+    return sorted(leftovers())

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,55 @@ def test_resume_auto_falls_back_past_corrupt_checkpoints(tmp_path, cfg):
     flip_a_byte(checkpoint.step_path(ckpts, 10))
     with pytest.raises(ResumeError, match="no intact checkpoint"):
         resolve_resume("auto", tmp_path, cfg, 2, [])
+
+
+def test_a_sidecar_without_its_keys_is_corrupt_and_resume_auto_falls_back(tmp_path, cfg):
+    ckpts = tmp_path / "checkpoints"
+    write_steps(ckpts, cfg, [10, 20, 30, 40])
+    step = {s: checkpoint.step_path(ckpts, s) for s in (10, 20, 30, 40)}
+    step[40].with_suffix(".json").write_text("{}")
+    step[30].with_suffix(".json").write_text("[]")
+    meta = json.loads(step[20].with_suffix(".json").read_text())
+    meta["bytes"] = str(meta["bytes"])
+    step[20].with_suffix(".json").write_text(json.dumps(meta))
+    notes: list[str] = []
+    assert resolve_resume("auto", tmp_path, cfg, 2, notes) == step[10]
+    assert notes == [
+        f"skipping {step[40]}: corrupt checkpoint (step_00000040.json lacks a valid step, "
+        "bytes, sha256, world_size, config_hash, config)",
+        f"skipping {step[30]}: corrupt checkpoint (step_00000030.json lacks a valid step, "
+        "bytes, sha256, world_size, config_hash, config)",
+        f"skipping {step[20]}: corrupt checkpoint (step_00000020.json lacks a valid bytes)"]
+    with pytest.raises(ResumeError, match="corrupt checkpoint"):  # named: no fallback
+        resolve_resume(str(step[40]), tmp_path / "new", cfg, 2, [])
+
+
+def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(tmp_path):
+    """RLIMIT_FSIZE makes a write past its bytes fail (EFBIG) as a full disk does (ENOSPC):
+    every atomic writer raises the error, keeps the old file and removes its temporary one."""
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"window": {i}}}\n' for i in range(100)))
+    (tmp_path / "s.json").write_text("old")
+    code = """if True:
+        import errno, sys, torch
+        from pathlib import Path
+        from gradsync import checkpoint, metrics
+        d = Path(sys.argv[1])
+        for write in (lambda: metrics.write_json_atomic(d / "s.json", list(range(500))),
+                      lambda: metrics.keep_rows_through(d / "m.jsonl", 80),
+                      lambda: checkpoint.save_atomic({"w": torch.zeros(10**5)}, d / "c.pt")):
+            try:
+                write()
+            except OSError as e:
+                print(errno.errorcode[e.errno], Path(e.filename).name)
+    """
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # noqa: E731
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, preexec_fn=limit, timeout=120)
+    assert out.stdout.split("\n") == ["EFBIG s.json", "EFBIG m.jsonl", "EFBIG c.pt", ""], \
+        out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl", "s.json"]
+    assert (tmp_path / "s.json").read_text() == "old"
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 100
 
 
 def test_a_fresh_start_over_existing_checkpoints_is_refused(tmp_path, cfg):

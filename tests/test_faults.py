@@ -8,16 +8,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
@@ -38,12 +43,13 @@ class Job:
     """A gradsync-train process in its own session (a terminal's process group), with every
     process it started recorded while it runs."""
 
-    def __init__(self, run_dir: Path, *args: str, env: dict):
+    def __init__(self, run_dir: Path, *args: str, env: dict,
+                 launcher: tuple[str, ...] = ("-m", "gradsync.train"), preexec_fn=None):
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *ARGS, *args],
+            [sys.executable, *launcher, f"hydra.run.dir={run_dir}", *ARGS, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=preexec_fn)
         self.seen: dict[int, float] = {}  # pid -> create_time of every descendant
         STARTED.append(self)
 
@@ -184,15 +190,83 @@ def test_sigterm_ctrl_c_and_kill_9_then_resume_auto_ends_bitwise_like_an_uninter
     assert info["resumed_from"] == str(previous) and len(info["previous_starts"]) == 3
 
 
-@pytest.mark.parametrize("how", ["raises", "killed"])
+# The launcher run as another local user would like it to run: whenever it is handed the name
+# of a torch error file (pytorch-errorfile-*.pickle in $TMPDIR), the "stranger" plants a pickle
+# under that name as soon as the name is free; unpickled, it creates the marker file.
+PLANTING_LAUNCHER = """if True:
+    import os, pickle, runpy, sys, tempfile, threading, time
+    marker = sys.argv.pop(1)
+    class Payload:
+        def __reduce__(self):
+            return (open, (marker, "w"))
+    def plant(name):
+        while os.path.exists(name):
+            time.sleep(0.001)
+        with open(name, "wb") as fh:
+            pickle.dump(Payload(), fh)
+    named = tempfile.NamedTemporaryFile
+    def spied(*args, **kw):
+        tf = named(*args, **kw)
+        if kw.get("prefix") == "pytorch-errorfile-":
+            threading.Thread(target=plant, args=(tf.name,), daemon=True).start()
+        return tf
+    tempfile.NamedTemporaryFile = spied
+    runpy.run_module("gradsync.train", run_name="__main__")
+"""
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(local address, port) of every listening TCP socket process `pid` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                # /proc/net/tcp* prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+                family = socket.AF_INET if size == 4 else socket.AF_INET6
+                found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+@pytest.mark.parametrize("how", ["raises", "killed", "hung"])
 def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env, how):
-    run_dir = tmp_path / "run"
-    fail = ["trainer.fail_at_step=5"] if how == "raises" else []
-    job = Job(run_dir, "trainer.log_every=1", *fail, env=cli_env)
+    """raises: rank 1 raises while a stranger, connected to the job's store, has written a
+    failure of its own there; killed: rank 0 dies by SIGKILL while rank 1 is stopped, and a
+    stranger plants pickles under the names of torch's error files; hung: rank 1 is stopped and
+    rank 0 gives up after trainer.timeout_s."""
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    marker = tmp_path / "payload-ran"
+    env = {**cli_env, "TMPDIR": str(tmp)}
+    args = {"raises": ["trainer.fail_at_step=12"], "killed": [],
+            "hung": ["trainer.timeout_s=10"]}[how]
+    launcher = ("-c", PLANTING_LAUNCHER, str(marker)) if how == "killed" else ("-m",
+                                                                              "gradsync.train")
+    job = Job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
     job.wait_for_step(4)
-    if how == "killed":  # rank 0 dies while rank 1 hangs (stopped): nothing will wake rank 1
+    if how == "raises":  # the store listens on loopback only; what a stranger writes is ignored
+        (address, port), = listening_sockets(job.proc.pid)
+        stranger = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=30))
+        stranger.add("gradsync/failures", 1)
+        stranger.set("gradsync/first_failure", "0\nRuntimeError: injected by a stranger")
+        del stranger
+    elif how == "killed":  # rank 0 dies while rank 1 hangs (stopped): nothing will wake rank 1
         os.kill(job.worker_pid(1), signal.SIGSTOP)
         os.kill(job.worker_pid(0), signal.SIGKILL)
+    else:
+        os.kill(job.worker_pid(1), signal.SIGSTOP)
     failed_at = time.monotonic()
     code, _, err = job.finish()
     ended_in = time.monotonic() - failed_at
@@ -200,14 +274,96 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     line = err.strip().splitlines()[-1]
     if how == "raises":
         assert line == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
-                        "failure after optimizer step 5 (trainer.fail_at_step, a test aid)")
-    else:
+                        "failure after optimizer step 12 (trainer.fail_at_step, a test aid)")
+        assert address == "127.0.0.1"
+    elif how == "killed":
         assert line == ("gradsync: training failed: rank 0 failed: process exited (killed by "
                         "SIGKILL)")
+    else:
+        assert line.startswith("gradsync: training failed: rank 1 failed: stopped answering: "
+                               "its process was stopped (as by SIGSTOP); rank 0 gave up after "
+                               "trainer.timeout_s=10: "), line
     assert ended_in < 60, ended_in
     print(f"job ended {ended_in:.1f} s after the worker {how}")
     assert job.survivors() == []
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    assert not marker.exists()  # nothing was unpickled
+    assert list(tmp.glob("pytorch-errorfile-*")) == []  # no tracebacks left in $TMPDIR
+
+
+def files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file()}
+
+
+def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
+        tmp_path, cli_env):
+    """A job (umask 077, a run dir with a space) holds its run dir: a second job there is
+    refused in one line and touches nothing. A SIGINT to the launcher alone stops the job with
+    exit code 130, saying SIGINT, and the printed resume command pastes into a shell. Then
+    refused starts in the finished run dir leave every file byte-identical."""
+    run_dir = tmp_path / "run dir"
+    job = Job(run_dir, "trainer.log_every=1", "trainer.max_epochs=100000", env=cli_env,
+              preexec_fn=lambda: os.umask(0o077))
+    job.wait_for_step(3)
+    hydra = files(run_dir / ".hydra")
+    code, _, err = Job(run_dir, "seed=12", env=cli_env).finish()
+    assert code == 2, err
+    assert err.splitlines() == [
+        f"gradsync: run dir in use: {run_dir} is in use by another job (pid {job.proc.pid} on "
+        f"{socket.gethostname()}): wait for it to end, or choose another hydra.run.dir"]
+    assert files(run_dir / ".hydra") == hydra
+    assert [p.name for p in run_dir.glob(".hydra*")] == [".hydra"]  # nothing staged is left
+
+    job.proc.send_signal(signal.SIGINT)
+    code, _, err = job.finish()
+    assert code == 128 + signal.SIGINT, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["stopped_by"]) == ("interrupted", "SIGINT")
+    assert f"stopped by SIGINT after optimizer step {summary['optimizer_steps']}" in err
+    hint = next(ln for ln in err.splitlines() if "continue with:" in ln)
+    command = hint.split("continue with:")[1].split("(and the same overrides)")[0]
+    assert shlex.split(command) == ["gradsync-train", "resume=auto", f"hydra.run.dir={run_dir}"]
+    assert job.survivors() == []
+    modes = {str(p.relative_to(run_dir)): p.stat().st_mode & 0o777 for p in run_dir.rglob("*")}
+    assert set(modes.values()) == {0o600, 0o700} and run_dir.stat().st_mode & 0o777 == 0o700
+    assert all(mode == (0o700 if (run_dir / p).is_dir() else 0o600) for p, mode in modes.items())
+    assert not (run_dir / ".gradsync.lock").exists()  # the lock goes with the job
+
+    before = files(run_dir)
+    for args, refused in [(["seed=12"], "resume refused: "),
+                          (["resume=auto", "trainer.timeout_s=0"], "config error: ")]:
+        code, _, err = Job(run_dir, *args, env=cli_env).finish()
+        assert code == 2 and err.startswith(f"gradsync: {refused}"), err
+        assert files(run_dir) == before  # .hydra/ and train.log included
+        assert [p.name for p in run_dir.glob(".*")] == [".hydra"]
+
+
+def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path, cli_env):
+    """RLIMIT_FSIZE fails a write past 8000 bytes (EFBIG) as a full disk fails it (ENOSPC):
+    the first checkpoint is larger. Then a file the launcher writes is not writable."""
+    run_dir = tmp_path / "run"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))
+
+    code, _, err = Job(run_dir, "trainer.max_steps=12", env=cli_env,
+                       preexec_fn=small_files).finish()
+    assert code == 1, err
+    ckpt = checkpoint.step_path(run_dir / "checkpoints", 10)
+    assert err.strip().splitlines()[-1] == (
+        f"gradsync: training failed: rank 0 failed: OSError: [Errno 27] File too large: "
+        f"'{ckpt}'")
+    assert [p.name for p in run_dir.rglob("*tmp")] == []
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+    run_dir = tmp_path / "run2"
+    (run_dir / "run_info.json.tmp").mkdir(parents=True)  # where run_info.json is written
+    code, _, err = Job(run_dir, env=cli_env).finish()
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == (
+        f"gradsync: error: IsADirectoryError: [Errno 21] Is a directory: "
+        f"'{run_dir / 'run_info.json.tmp'}'")
 
 
 def test_an_incompatible_resume_is_refused_and_the_run_left_untouched(

@@ -4,6 +4,10 @@ left in /dev/shm, and whole runs that match the process-group transport bit for 
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ import shm_cases
 from configs import losses, plain_cfg
 from dist_cases import train_run_rows
 from gradsync.config import ConfigError, validate
+from gradsync.shm_allreduce import SHM_DIR
 from gradsync.train import compose_plain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -45,6 +50,27 @@ def test_ranks_on_different_hosts_fall_back_or_refuse(pool2):
     assert all(e.startswith("error: trainer.allreduce=shared_memory needs every rank on one "
                             "host") for e in errors)
     assert pool2.run(shm_cases.shm_files) == [[], []]
+
+
+def test_files_of_dead_jobs_are_removed_when_a_job_maps_its_own(pool2):
+    """A kill -9 during start-up leaves the name (it goes once every rank mapped it): the
+    next job removes files of processes that are gone, and only those."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid with no process now
+    me = os.getpid()
+    ticks = Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19]  # start time
+    stale = SHM_DIR / f"gradsync-{gone.pid}-{ticks}-{'0' * 32}"
+    alive = SHM_DIR / f"gradsync-{me}-{ticks}-{'1' * 32}"  # this test process: alive
+    reused = SHM_DIR / f"gradsync-{me}-1{ticks}-{'2' * 32}"  # its pid, another process
+    try:
+        for path in (stale, alive, reused):
+            path.write_bytes(b"x" * 64)
+        left = pool2.run(shm_cases.map_and_list)[0]
+        assert alive.name in left and stale.name not in left and reused.name not in left
+        assert not stale.exists() and not reused.exists() and alive.exists()
+    finally:
+        for path in (stale, alive, reused):
+            path.unlink(missing_ok=True)
 
 
 def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):

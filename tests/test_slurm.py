@@ -55,8 +55,11 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 @pytest.fixture
 def bare_env(monkeypatch):
+    """None of the keys set; whatever the code under test exports into os.environ is undone
+    afterwards (set first, so that monkeypatch records each key's absence to restore)."""
     for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     return monkeypatch
 
 

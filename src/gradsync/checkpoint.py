@@ -14,10 +14,11 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
+from gradsync.files import replacing
 from gradsync.metrics import write_json_atomic
 from gradsync.repro import config_hash
 
@@ -36,14 +37,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(dir_fd)
 
 
+class _Writes:
+    """A file as torch.save sees it, keeping the OSError of a failed write: torch.save turns it
+    into a RuntimeError that has lost its cause ("unexpected pos 64 vs 0")."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replacing(path, binary=True, tmp=path.with_name(f".{path.name}.tmp")) as f:
+        writes = _Writes(f)
+        try:
+            torch.save(obj, cast(IO[bytes], writes))
+        except RuntimeError:
+            if writes.error is not None:  # a full disk, say: raised as what it is
+                raise writes.error from None
+            raise
     _fsync_dir(path.parent)
 
 
@@ -83,16 +105,25 @@ def link_last(path: Path) -> None:
     tmp = path.with_name(".last.pt.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(path, tmp)
-    except OSError:
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, path.with_name("last.pt"))
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, path.with_name("last.pt"))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def complete(ckpt_dir: Path) -> list[Path]:
     """Checkpoints with their sidecar, newest first."""
     found = [p for p in ckpt_dir.glob("step_*.pt") if p.with_suffix(".json").exists()]
     return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+# what write() puts in a sidecar and resuming reads: a sidecar without them is corrupt
+SIDECAR = {"step": int, "bytes": int, "sha256": str, "world_size": int, "config_hash": str,
+           "config": dict}
 
 
 def verify(path: Path) -> dict[str, Any]:
@@ -105,6 +136,12 @@ def verify(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         raise ResumeError(f"{path}: incomplete checkpoint ({side.name} missing or "
                           "unreadable)") from None
+    wrong = [key for key, kind in SIDECAR.items()
+             if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)
+             or isinstance(meta.get(key), bool)]
+    if wrong:
+        raise ResumeError(f"{path}: corrupt checkpoint ({side.name} lacks a valid "
+                          f"{', '.join(wrong)})")
     size = path.stat().st_size
     if size != meta["bytes"]:
         raise ResumeError(f"{path}: truncated or corrupt checkpoint ({size} bytes, "

@@ -95,26 +95,45 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-FAILURES_KEY, FIRST_FAILURE_KEY = "gradsync/failures", "gradsync/first_failure"
+# A spawned rank's end of its private pipe to the launcher (None under torchrun): the first error
+# a rank raises goes there as text, never through the job's TCPStore, which any local user can
+# reach, and never pickled.
+_report: Any = None
+MAX_REPORT = 2000  # characters: one line of an error, well under a pipe's atomic write
 
 
-def record_failure(store: Any, rank: int, exc: BaseException) -> None:
-    """The first rank to raise leaves its error in the launcher's store (first writer wins):
-    ranks that fail afterwards, because a peer went away, are consequences, not the cause."""
+def report_to(conn: Any) -> None:
+    global _report
+    _report = conn
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tell the launcher this rank's error, with the moment it was raised (CLOCK_MONOTONIC,
+    one clock for every process of the host): the rank that raised first is the cause, ranks
+    that fail afterwards because a peer went away are consequences. Once per process."""
+    global _report
+    conn, _report = _report, None
+    if conn is None:
+        return
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     message = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     try:
-        if store.add(FAILURES_KEY, 1) == 1:
-            store.set(FIRST_FAILURE_KEY, f"{rank}\n{message}")
-    except Exception:  # the launcher may be gone: the original error matters more
+        conn.send_bytes(f"{time.monotonic_ns()}\n{message[:MAX_REPORT]}".encode())
+        conn.close()
+    except OSError:  # the launcher may be gone: the original error matters more
         pass
 
 
-def first_failure(store: Any) -> tuple[int, str] | None:
-    if not store.check([FIRST_FAILURE_KEY]):
+def read_report(conn: Any) -> tuple[int, str] | None:
+    """(when, message) a rank reported, or None: read as text only."""
+    try:
+        if not conn.poll():
+            return None
+        when, message = conn.recv_bytes(4 * MAX_REPORT + 64).decode(errors="replace").split(
+            "\n", 1)
+        return int(when), message
+    except (EOFError, OSError, ValueError):
         return None
-    rank, message = store.get(FIRST_FAILURE_KEY).decode().split("\n", 1)
-    return int(rank), message
 
 
 def inject_failure(step: int, here: bool) -> Any:

@@ -1,12 +1,15 @@
 """Start a job's workers: spawn trainer.devices processes that meet at a TCPStore this process
-holds on a free port (no fixed 29500, no port race), or, when an outside engine already started
-one process per rank (torchrun, or a submitit job of several tasks), be one of the workers.
+holds on a free port of 127.0.0.1 (no fixed 29500, no port race, no other host), or, when an
+outside engine already started one process per rank (torchrun, or a submitit job of several
+tasks), be one of the workers.
 
 The launcher then watches the workers it spawned. When one fails, the others get a few seconds
-to exit on their own (a peer that went away breaks their next collective) and are then killed:
-no rank is left waiting in a collective, and the job ends with the rank that failed first and
-its error. A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish the
-optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
+to exit on their own (a peer that went away breaks their next collective) and are then killed
+(a stopped one at once): no rank is left waiting in a collective, and the job ends with the rank
+that failed first and its error, which each rank reports through a pipe of its own (text: no
+error file anyone could plant, nothing unpickled, nothing read from the store, which every local
+user can reach). A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish
+the optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import first_failure, signal_name
+from gradsync.faults import read_report, report_failure, report_to, signal_name
 from gradsync.settings import RunConfig
 from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.worker import pick_backend, worker_main
@@ -117,6 +121,60 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
+def launch(cfg: RunConfig, run_dir: Path) -> int:
+    """Train; returns the signal this launcher received that stopped the job (0: none), which
+    the workers, who got it forwarded as SIGTERM, cannot know."""
+    if under_torchrun():
+        rank = int(os.environ["RANK"])
+        try:
+            worker_main(rank, int(os.environ["WORLD_SIZE"]), cfg, str(run_dir), store_port=None)
+        except Exception as e:  # the traceback is in logs/rank<r>.log
+            raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
+        return 0
+    world = cfg.trainer.devices
+    store = loopback_store(world, timedelta(seconds=cfg.trainer.timeout_s))
+    _standard_start_method()
+    watch = Watch(cfg.trainer.timeout_s)
+    watching = threading.current_thread() is threading.main_thread()  # signals: main only
+    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in watched_signals()}
+                if watching else {})
+    try:
+        # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
+        # Ctrl-C while they import prints no tracebacks. The launcher forwards it as SIGTERM.
+        if watching:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            watch.start(world, cfg, run_dir, store.port)
+        finally:
+            if watching:
+                signal.signal(signal.SIGINT, watch.on_signal)
+        watch.supervise()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        watch.close()
+        del store
+    return watch.signum
+
+
+def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
+    """The job's TCPStore on a free port of 127.0.0.1 only: a TCPStore server asked for
+    "127.0.0.1" listens on every interface; one handed a socket bound here listens on it. The
+    store only serves the rendezvous; what a rank reports goes through its own pipe."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True,
+                              wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns (and closes) the descriptor now
+    return store
+
+
 def start_method(cfg: RunConfig) -> str:
     """fork for CPU workers while this process holds no CUDA context: a forked worker starts
     with what the launcher already imported (torch; the compiler stack an optimizer's
@@ -132,63 +190,73 @@ def start_method(cfg: RunConfig) -> str:
     return "spawn"
 
 
-def _forked_worker(rank: int, *args: Any) -> None:
-    """A forked worker starts as a spawned one would: the launcher's signal handlers reset to
-    the default (exec does that; an ignored signal stays ignored), and without the launcher's
-    Hydra log handlers (the console, the job's train.log): a rank logs to logs/rank<r>.log."""
+def _as_if_spawned() -> None:
+    """A forked rank starts as a spawned one would: the launcher's signal handlers reset to the
+    default (exec does that; an ignored signal stays ignored), and without the launcher's Hydra
+    log handlers (the console, the job's train.log): a rank logs to logs/rank<r>.log. In a
+    spawned rank there is nothing to undo."""
     for sig in watched_signals():
-        if signal.getsignal(sig) is not signal.SIG_IGN:
+        if signal.getsignal(sig) not in (signal.SIG_IGN, signal.SIG_DFL):
             signal.signal(sig, signal.SIG_DFL)
     root = logging.getLogger()
     for handler in root.handlers[:]:
         root.removeHandler(handler)
-    worker_main(rank, *args)
 
 
-def launch(cfg: RunConfig, run_dir: Path) -> None:
-    if under_torchrun():
-        rank = int(os.environ["RANK"])
-        try:
-            worker_main(rank, int(os.environ["WORLD_SIZE"]), cfg, str(run_dir), store_port=None)
-        except Exception as e:  # the traceback is in logs/rank<r>.log
-            raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
-        return
-    world = cfg.trainer.devices
-    timeout = timedelta(seconds=cfg.trainer.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timeout)
-    _standard_start_method()
-    watch = Watch()
-    watching = threading.current_thread() is threading.main_thread()  # signals: main only
-    previous = ({sig: signal.signal(sig, watch.on_signal) for sig in watched_signals()}
-                if watching else {})
+def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
+               report: Any) -> None:
+    """A spawned (or forked, start_method) rank. It gets SIGINT when the launcher dies (it
+    checkpoints and stops, as a rank of torch's spawn does); its first error goes to the
+    launcher through `report`, and it exits with code 1 (the traceback is in
+    logs/rank<r>.log)."""
+    _as_if_spawned()
+    mp._prctl_pr_set_pdeathsig(signal.SIGINT)  # type: ignore[attr-defined]
+    report_to(report)
     try:
-        # Workers inherit an ignored SIGINT (through exec) until they install their handler: a
-        # Ctrl-C while they import prints no tracebacks. The launcher forwards it as SIGTERM.
-        if watching:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            method = start_method(cfg)
-            ctx = mp.start_processes(worker_main if method == "spawn" else _forked_worker,
-                                     args=(world, cfg, str(run_dir), store.port),
-                                     nprocs=world, start_method=method, join=False)
-        finally:
-            if watching:
-                signal.signal(signal.SIGINT, watch.on_signal)
-        watch.supervise(ctx, store)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        del store
+        worker_main(rank, world, cfg, run_dir, store_port=port)
+    except Exception as e:
+        report_failure(e)  # if worker_main could not (an error before its own handler)
+        sys.exit(1)
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (T: stopped), "" when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class Watch:
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: int) -> None:
+        self.timeout_s = timeout_s
         self.procs: list[Any] = []
+        self.reports: list[Any] = []  # the launcher's ends of the ranks' pipes
         self.signum = 0
         self.aborted = False
         self.killed: set[int] = set()  # ranks this launcher killed
+        self.stopped: set[int] = set()  # of those, ranks found stopped (SIGSTOP)
         self.exit_order: list[int] = []
+
+    def start(self, world: int, cfg: RunConfig, run_dir: Path, port: int) -> None:
+        """Start the ranks (start_method), each with a pipe to report its error on (text, never
+        pickled: no error file in a shared temporary dir)."""
+        ctx: Any = multiprocessing.get_context(start_method(cfg))
+        for rank in range(world):
+            reader, writer = ctx.Pipe(duplex=False)
+            self.reports.append(reader)
+            proc = ctx.Process(target=_rank_main, args=(rank, world, cfg, str(run_dir), port,
+                                                        writer))
+            self.procs.append(proc)
+            try:
+                proc.start()
+            finally:
+                writer.close()  # the rank holds its own copy
+
+    def close(self) -> None:
+        for conn in self.reports:
+            conn.close()
 
     def on_signal(self, signum: int, frame: Any) -> None:
         if not self.signum:
@@ -206,22 +274,28 @@ class Watch:
         record it, and the job then requeues itself)."""
         return self.signum if self.signum in PREEMPT_SIGNALS else signal.SIGTERM
 
+    def _running(self) -> list[tuple[int, Any]]:
+        return [(rank, proc) for rank, proc in enumerate(self.procs)
+                if proc.pid is not None and proc.exitcode is None]
+
     def _send(self, signum: int) -> None:
-        for proc in self.procs:
-            if proc.exitcode is None:
-                try:
-                    os.kill(proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        for _, proc in self._running():
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _kill(self, rank: int) -> None:
+        if _process_state(self.procs[rank].pid) in ("T", "t"):
+            self.stopped.add(rank)
+        self.procs[rank].kill()
+        self.killed.add(rank)
 
     def _kill_all(self) -> None:
-        for rank, proc in enumerate(self.procs):
-            if proc.exitcode is None:
-                proc.kill()
-                self.killed.add(rank)
+        for rank, _ in self._running():
+            self._kill(rank)
 
-    def supervise(self, ctx: Any, store: Any) -> None:
-        self.procs = ctx.processes
+    def supervise(self) -> None:
         if self.signum:  # arrived while the workers were being started
             self._send(self.forwarded)
         failed_at = None
@@ -234,8 +308,12 @@ class Watch:
                 break
             if failed_at is None and any(self.procs[r].exitcode for r in self.exit_order):
                 failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-                self._kill_all()
+            if failed_at is not None:
+                for rank, proc in self._running():
+                    if _process_state(proc.pid) in ("T", "t"):  # will never exit on its own
+                        self._kill(rank)
+                if time.monotonic() - failed_at > GRACE_S:
+                    self._kill_all()
             multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.5)
         for proc in self.procs:
             proc.join()
@@ -245,27 +323,34 @@ class Watch:
                               "workers killed; resume=auto continues from the newest intact "
                               "checkpoint")
         if failed:
-            rank, message = self._root_cause(failed, ctx.error_files, store)
+            rank, message = self._root_cause(failed)
             if self.signum:
                 raise Interrupted(self.signum, f"stopped by {signal_name(self.signum)} before "
                                   f"the workers could checkpoint (rank {rank}: {message})")
             raise WorkerFailed(rank, message)
 
-    def _root_cause(self, failed: list[int], error_files: list[str],
-                    store: Any) -> tuple[int, str]:
-        """A rank that died (a signal, an exit without a Python error) comes first: the others'
-        errors follow from it. Otherwise the first rank that raised (recorded in the store)."""
-        raised = {r for r in failed if os.access(error_files[r], os.R_OK)}
+    def _root_cause(self, failed: list[int]) -> tuple[int, str]:
+        """A rank that died on its own (a signal, an exit without a Python error) comes first:
+        the others' errors follow from it. Then a rank that stopped answering (stopped, or
+        still running when its peers timed out): the timeouts follow from it. Otherwise the
+        rank that raised first."""
+        reports = {r: rep for r, conn in enumerate(self.reports)
+                   if (rep := read_report(conn)) is not None}
         for rank in failed:
-            if rank not in raised and rank not in self.killed:
+            if rank not in reports and rank not in self.killed:
                 code = self.procs[rank].exitcode
                 how = (f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}")
                 return rank, f"process exited ({how})"
-        first = first_failure(store)
+        first = min(reports, key=lambda r: reports[r][0], default=None)
+        timed_out = first is not None and re.search(r"time ?out|timed out",
+                                                    reports[first][1], re.I) is not None
+        silent = sorted(self.stopped or (self.killed - reports.keys() if timed_out else ()))
+        if silent:
+            how = ("its process was stopped (as by SIGSTOP)" if silent[0] in self.stopped
+                   else "it was still running")
+            peers = (f"; rank {first} gave up after trainer.timeout_s={self.timeout_s}: "
+                     f"{reports[first][1]}" if first is not None else "")
+            return silent[0], f"stopped answering: {how}{peers}"
         if first is not None:
-            return first
-        rank = next(iter(sorted(raised)), failed[0])
-        if rank in raised:
-            with open(error_files[rank], "rb") as fh:
-                return rank, _last_line(pickle.load(fh))
-        return rank, f"process exited (exit code {self.procs[rank].exitcode})"
+            return first, reports[first][1]
+        return failed[0], f"process exited (exit code {self.procs[failed[0]].exitcode})"

@@ -5,10 +5,11 @@ end. Other ranks get a RunLog that writes nothing, so the loop never asks which 
 from __future__ import annotations
 
 import json
-import os
 import resource
 from pathlib import Path
 from typing import Any
+
+from gradsync.files import replacing
 
 
 def peak_rss_mb() -> float:
@@ -16,13 +17,9 @@ def peak_rss_mb() -> float:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with replacing(path) as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def keep_rows_through(path: Path, window: int) -> None:
@@ -36,9 +33,8 @@ def keep_rows_through(path: Path, window: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             pass
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    with replacing(path) as f:
+        f.write("".join(kept))
 
 
 class RunLog:

@@ -77,6 +77,40 @@ def shm_hook(state: SharedSlots, bucket: dist.GradBucket) -> torch.futures.Futur
     return fut
 
 
+def _start_time(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), "" when
+    there is no such process: with the pid, it names one process of this boot."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def shm_name() -> str:
+    """gradsync-<creator pid>-<its start time>-<random>: unguessable, and it says whose it
+    is, so a name left by a job killed during start-up (between the file's creation and its
+    unlink, once every rank mapped it) can be recognised as stale."""
+    return f"gradsync-{os.getpid()}-{_start_time(os.getpid())}-{uuid.uuid4().hex}"
+
+
+def remove_stale(shm_dir: Path) -> list[str]:
+    """Remove this user's gradsync files whose creator process is gone; their names."""
+    removed = []
+    for path in shm_dir.glob("gradsync-*"):
+        _, pid, started, *rest = path.name.split("-") + ["", "", ""]
+        if not (pid.isdigit() and started.isdigit()) or _start_time(int(pid)) == started:
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    return removed
+
+
 def host_id() -> str:
     boot = Path("/proc/sys/kernel/random/boot_id")
     return f"{socket.gethostname()}/{boot.read_text().strip() if boot.is_file() else ''}"
@@ -91,11 +125,12 @@ def map_slots(capacity: int) -> torch.Tensor | None:
     if len(set(hosts)) != 1:
         return None
     size = ALIGN + world * capacity  # a header: the token rank 0 writes, proof of one mapping
-    name: list[Any] = [f"gradsync-{uuid.uuid4().hex}", uuid.uuid4().int >> 65]
+    name: list[Any] = [shm_name(), uuid.uuid4().int >> 65]
     dist.broadcast_object_list(name, src=0)
     path, token = SHM_DIR / name[0], name[1]
     mapped = None
     if rank == 0:
+        remove_stale(SHM_DIR)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:  # reserved now: a full /dev/shm fails here, not with SIGBUS mid-backward

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import shlex
 import signal
 import sys
 import time
@@ -38,6 +38,7 @@ from gradsync.config import (
     validate,
 )
 from gradsync.devices import DeviceError, check_cuda
+from gradsync.faults import signal_name
 from gradsync.launch import (
     Interrupted,
     WorkerFailed,
@@ -49,6 +50,7 @@ from gradsync.launch import (
 from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
 from gradsync.ranks import is_rank0, job_rank
 from gradsync.repro import run_info, write_run_info
+from gradsync.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.settings import RunConfig
 from gradsync.worker import pick_backend
 
@@ -62,6 +64,8 @@ OmegaConf.register_new_resolver(
 OmegaConf.register_new_resolver(
     "run_name", lambda fmt: slurm.run_name() or rank0_now(fmt), use_cache=True, replace=True)
 OmegaConf.register_new_resolver("default_resume", slurm.default_resume, replace=True)
+# Hydra's files go to a dir of this start's own until it is accepted (rundir.py)
+OmegaConf.register_new_resolver("hydra_staging", staging_name, replace=True)
 
 
 def conf_dir() -> str:
@@ -107,39 +111,73 @@ def hydra_main(cfg: DictConfig) -> dict:
     adopt_submitit_ranks()
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    staged = run_dir / hc.output_subdir if hc.output_subdir else None
+    try:
+        # rank 0 holds the run dir; Hydra's files become its .hydra/ once the start is accepted
+        with Claim(run_dir, staged, lock=is_rank0()) as claim:
+            return _start(cfg, hc.mode, run_dir, claim)
+    except RunDirBusy as e:
+        return _fail(hc.mode, run_dir, "run dir in use", str(e), 2, record=False)
+
+
+def _start(cfg: DictConfig, mode: RunMode | None, run_dir: Path, claim: Claim) -> dict:
     try:
         plain = to_plain(cfg)
         validate(plain, torch.cuda.is_available())
         check_devices(plain)
     except Exception as e:  # a component's own check may raise anything: still one line
-        message = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-        if os.environ.get("GRADSYNC_TRACEBACK") == "1":
+        if _traceback_wanted():
             raise
-        if hc.mode == RunMode.RUN:
-            _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "config error", _first_line(message), 2,
-                     record=_is_new(run_dir))
+        message = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+        return _refuse(mode, run_dir, claim, "config error", _first_line(message))
     try:
         _resolve_resume(plain, run_dir)
     except ResumeError as e:
-        if hc.mode == RunMode.RUN:
-            _remove_if_only_hydra(run_dir)
-        return _fail(hc.mode, run_dir, "resume refused", str(e), 2, record=_is_new(run_dir))
+        return _refuse(mode, run_dir, claim, "resume refused", str(e))
+    claim.accept()
+    try:
+        return _train(plain, mode, run_dir)
+    except Exception as e:  # a full disk, say: reported as what it is, not as a config error
+        if _traceback_wanted():
+            raise
+        return _fail(mode, run_dir, "error", f"{type(e).__name__}: {e}", 1)
+
+
+def _refuse(mode: RunMode | None, run_dir: Path, claim: Claim, kind: str, message: str) -> dict:
+    """A start refused before training: a new run dir goes (a sweep keeps the job's .hydra/ to
+    list it as failed), an earlier run's files stay as they were."""
+    new = _is_new(run_dir)
+    if mode == RunMode.RUN:
+        remove_if_unused(run_dir)
+    elif new:
+        claim.accept()
+    return _fail(mode, run_dir, kind, message, 2, record=new)
+
+
+def _traceback_wanted() -> bool:
+    return os.environ.get("GRADSYNC_TRACEBACK") == "1"
+
+
+def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
+    if is_rank0():
+        _write_run_info(plain, run_dir)
     started = time.perf_counter()
     try:
-        launch(RunConfig.from_plain(plain), run_dir)
+        signum = launch(RunConfig.from_plain(plain), run_dir)
     except WorkerFailed as e:
-        return _fail(hc.mode, run_dir, "training failed", str(e), 1)
+        return _fail(mode, run_dir, "training failed", str(e), 1)
     except Interrupted as e:
         print(f"gradsync: {e}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
     if not is_rank0():
         return {}
     summary = json.loads((run_dir / "summary.json").read_text())
-    if summary["status"] == "interrupted":
-        _stopped(run_dir, summary, plain["trainer"].get("requeue", True))
+    if signum and summary["status"] == "interrupted":  # the workers may have got SIGTERM
+        summary["stopped_by"] = signal_name(signum)
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     write_json_atomic(run_dir / "summary.json", summary)
+    if summary["status"] == "interrupted":
+        _stopped(run_dir, summary, plain["trainer"].get("requeue", True))
     write_hparams(run_dir / "tb", flat_hparams(plain), final_metrics(summary),
                   summary["optimizer_steps"])
     _report(run_dir, summary)
@@ -158,7 +196,10 @@ def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: in
     summary.json alone."""
     failed = {"status": "failed", "error": f"{kind}: {message}"}
     if record and run_dir.is_dir() and is_rank0():
-        write_json_atomic(run_dir / "summary.json", failed)
+        try:
+            write_json_atomic(run_dir / "summary.json", failed)
+        except OSError:  # a full disk: the line below says what went wrong
+            pass
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
         sys.exit(code)
@@ -196,27 +237,29 @@ def _is_new(run_dir: Path) -> bool:
 
 
 def _resolve_resume(plain: dict, run_dir: Path) -> None:
-    """Pick the checkpoint to start from (refusing incompatible ones), hand the workers its
-    path in place of `resume`, and record run_info.json."""
+    """Pick the checkpoint to start from (refusing incompatible ones) and hand the workers its
+    path in place of `resume`."""
     notes: list[str] = []
-    world = resolve_world_size(plain)
     try:
-        path = resolve_resume(plain["resume"], run_dir, plain, world, notes)
+        path = resolve_resume(plain["resume"], run_dir, plain, resolve_world_size(plain), notes)
     finally:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
     plain["resume"] = str(path) if path else "none"
-    if is_rank0():
-        if path:
-            print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
-                        world, str(path) if path else None)
-        for group in RUNTIME:  # what a component says of itself: e.g. a corpus's SHA-256
-            described = describe(plain[group], RUNTIME[group], EXTRA.get(group, ()))
-            if described is not None:
-                info[group] = described
-        write_run_info(run_dir / "run_info.json", info)
+    if path and is_rank0():
+        print(f"gradsync: resuming from {path}", file=sys.stderr, flush=True)
+
+
+def _write_run_info(plain: dict, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = None if plain["resume"] == "none" else plain["resume"]
+    info = run_info(plain, Path(CONF_DIR).parent, pick_backend(plain["trainer"]["backend"]),
+                    resolve_world_size(plain), resumed)
+    for group in RUNTIME:  # what a component says of itself: e.g. a corpus's SHA-256
+        described = describe(plain[group], RUNTIME[group], EXTRA.get(group, ()))
+        if described is not None:
+            info[group] = described
+    write_run_info(run_dir / "run_info.json", info)
 
 
 def _stopped(run_dir: Path, s: dict, requeue: bool) -> None:
@@ -224,8 +267,8 @@ def _stopped(run_dir: Path, s: dict, requeue: bool) -> None:
     a preemption warning (SIGUSR1/SIGUSR2) requeues the job (the checkpoint is durable now)."""
     signum = signal.Signals[s["stopped_by"]]
     job = slurm.job_id()
-    how = (f"continue with: gradsync-train resume=auto hydra.run.dir={run_dir} (and the same "
-           "overrides)")
+    how = (f"continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
+           "(and the same overrides)")
     if job and signum in slurm.PREEMPT_SIGNALS and requeue:
         how = slurm.requeue(job)
     print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
@@ -255,14 +298,6 @@ def _report(run_dir: Path, s: dict) -> None:
           f"final_train_loss={s['final_train_loss']:.4f} {evals} "
           f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
           f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
-
-
-def _remove_if_only_hydra(run_dir: Path) -> None:
-    """A run refused for its config leaves no half-made dir behind (only Hydra's files)."""
-    hydra_files = run_dir.is_dir() and all(
-        p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
-    if hydra_files:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def one_line(exc: BaseException) -> str:
@@ -362,7 +397,7 @@ def main() -> None:
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
-    except Exception as e:
+    except Exception as e:  # raised while Hydra composed the config
         if user_wants_traceback:
             raise
         print(f"gradsync: config error: {one_line(e)}", file=sys.stderr)

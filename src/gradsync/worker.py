@@ -26,7 +26,7 @@ from gradsync.faults import (
     PROCESS_FLAG,
     StopAgreement,
     inject_failure,
-    record_failure,
+    report_failure,
     signal_name,
 )
 from gradsync.loop import LoopSettings, Parts, Progress, train
@@ -309,14 +309,13 @@ def worker_main(rank: int, world_size: int, cfg: RunConfig, run_dir: str,
     if device.type == "cuda":
         prepare_cuda_determinism(tr.deterministic)  # before the first CUDA call
         torch.cuda.set_device(device)  # this rank's context, on its own GPU only
-    store = init_process_group(backend, rank, world_size, tr.timeout_s, store_port)
+    init_process_group(backend, rank, world_size, tr.timeout_s, store_port)
     log.info("rank %d/%d up: backend=%s device=%s threads=%d pid=%d", rank, world_size, backend,
              device, threads, os.getpid())
     try:
         run_training(cfg, run_path, device)
     except Exception as e:
-        if store is not None:
-            record_failure(store, rank, e)
+        report_failure(e)  # to the launcher that spawned this rank (faults.py)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
         raise
     finally:
