@@ -24,6 +24,7 @@ GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "traine
           "lr_scheduler", "loss"]
 # token data and the transformer only go together
 COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
+              ("data", "stdlib_text"): "model=transformer",
               ("model", "transformer"): "data=synthetic_lm"}
 # what each built-in policy answers for the micro-batches of a window of 4
 SYNCS = {"always": [True] * 4, "accumulate": [False, False, False, True],
