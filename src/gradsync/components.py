@@ -181,7 +181,7 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
     params = parameters(target)
     runtime, extra = set(runtime), set(extra)
     accepted = sorted(n for n in params if n not in runtime)
-    args = {k: v for k, v in node.items() if k not in RESERVED and k not in extra}
+    args = config_args(node, extra)
     for key in args:
         if key in runtime:
             raise ConfigError(f"{group}.{key}: set by gradsync at run time, not in the config "
@@ -205,6 +205,13 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
     return target
 
 
+def config_args(node: dict[str, Any], extra: Iterable[str] = ()) -> dict[str, Any]:
+    """The keyword arguments a node sets for its target: all its keys but ``_target_``,
+    ``_partial_`` and ``extra`` (keys the loop reads, such as data.micro_batch_size)."""
+    skip = set(extra)
+    return {k: v for k, v in node.items() if k not in RESERVED and k not in skip}
+
+
 def _with_defaults(params: dict[str, inspect.Parameter], args: dict[str, Any],
                    runtime: Iterable[str]) -> dict[str, Any]:
     """The keyword arguments a component gets from its config: its defaults, then the node's."""
@@ -223,7 +230,7 @@ def describe(node: dict[str, Any], runtime: Iterable[str] = (),
     own = getattr(target, "run_info", None)
     if own is None:
         return None
-    args = {k: v for k, v in node.items() if k not in RESERVED and k not in set(extra)}
+    args = config_args(node, extra)
     full = _with_defaults(parameters(target), args, runtime)
     return own(**{k: v for k, v in full.items() if k in parameters(own)})
 
@@ -238,14 +245,9 @@ def build(node: dict[str, Any], runtime: dict[str, Any] | None = None,
     target = locate(node["_target_"])
     params = parameters(target)
     anything = takes_any_keyword(target)
-    kwargs = {k: v for k, v in node.items() if k not in RESERVED and k not in set(extra)}
+    kwargs = config_args(node, extra)
     kwargs.update({k: v for k, v in (runtime or {}).items() if k in params or anything})
     if node.get("_partial_"):
         return functools.partial(target, **kwargs)
     return target(**kwargs)
 
-
-def declares(node: dict[str, Any], name: str) -> bool:
-    """Whether the node's target takes ``name`` (by name, or through ``**kwargs``)."""
-    target = locate(node["_target_"])
-    return name in parameters(target) or takes_any_keyword(target)
