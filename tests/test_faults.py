@@ -6,6 +6,7 @@ process behind; an incompatible resume is refused without touching the run."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import resource
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
-from gradsync import checkpoint
+from gradsync import checkpoint, faults, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -289,6 +290,38 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     assert not marker.exists()  # nothing was unpickled
     assert list(tmp.glob("pytorch-errorfile-*")) == []  # no tracebacks left in $TMPDIR
+
+
+def _report_then_hang(rank: int, writer) -> None:
+    faults.report_to(writer)
+    if rank == 1:  # fails, and then never exits, as one stuck tearing down its process group
+        faults.report_failure(RuntimeError("boom"))
+    time.sleep(600)  # rank 0: waits, as in a collective its failed peer never joins
+
+
+def test_a_rank_that_reported_its_error_but_never_exits_is_killed_after_the_grace_period():
+    """The launcher counts a failure from a rank's report, not only from its exit: the job ends
+    GRACE_S after the report, naming the rank and its error, with every rank killed."""
+    ctx = multiprocessing.get_context("fork")
+    watch = launch.Watch(timeout_s=300)
+    for rank in range(2):
+        reader, writer = ctx.Pipe(duplex=False)
+        watch.reports.append(reader)
+        watch.procs.append(ctx.Process(target=_report_then_hang, args=(rank, writer)))
+        watch.procs[-1].start()
+        writer.close()
+    started = time.monotonic()
+    try:
+        with pytest.raises(launch.WorkerFailed, match="^rank 1 failed: RuntimeError: boom$"):
+            watch.supervise()
+    finally:
+        for proc in watch.procs:
+            proc.kill()
+        watch.close()
+    took = time.monotonic() - started
+    assert launch.GRACE_S <= took < launch.GRACE_S + 3, took
+    assert [proc.exitcode for proc in watch.procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert watch.killed == {0, 1}
 
 
 def files(run_dir: Path) -> dict[str, bytes]:

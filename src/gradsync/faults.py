@@ -16,9 +16,12 @@ It runs on a separate gloo group, so with nccl the flag never syncs the GPU.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,6 +125,21 @@ def report_failure(exc: BaseException) -> None:
         conn.close()
     except OSError:  # the launcher may be gone: the original error matters more
         pass
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a rank that failed at once, its logs and report out, without tearing down what it
+    built. Freeing a failed rank's DDP model can deadlock in torch's gloo process group: its
+    destructor, on the main thread and holding the GIL, waits for a loop thread that is freeing
+    a collective a peer has just completed, which needs the GIL (seen about one run in six of a
+    failing sweep job). The process's exit frees everything."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def read_report(conn: Any) -> tuple[int, str] | None:

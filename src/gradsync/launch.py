@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import read_report, report_failure, report_to, signal_name
+from gradsync.faults import exit_now, read_report, report_failure, report_to, signal_name
 from gradsync.settings import RunConfig
 from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.worker import pick_backend, worker_main
@@ -216,7 +216,14 @@ def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
         worker_main(rank, world, cfg, run_dir, store_port=port)
     except Exception as e:
         report_failure(e)  # if worker_main could not (an error before its own handler)
-        sys.exit(1)
+        exit_now(1)  # with the error's frames alive: nothing of the failed training is freed
+
+
+def _ready(conn: Any) -> bool:
+    try:
+        return bool(conn.poll())
+    except (OSError, EOFError):
+        return True  # read_report then finds nothing
 
 
 def _process_state(pid: int) -> str:
@@ -238,6 +245,8 @@ class Watch:
         self.killed: set[int] = set()  # ranks this launcher killed
         self.stopped: set[int] = set()  # of those, ranks found stopped (SIGSTOP)
         self.exit_order: list[int] = []
+        self.reported: dict[int, tuple[int, str]] = {}  # rank: (when, error) it reported
+        self.unreported: set[int] = set()  # ranks whose pipe closed without a report
 
     def start(self, world: int, cfg: RunConfig, run_dir: Path, port: int) -> None:
         """Start the ranks (start_method), each with a pipe to report its error on (text, never
@@ -303,10 +312,13 @@ class Watch:
             for rank, proc in enumerate(self.procs):
                 if proc.exitcode is not None and rank not in self.exit_order:
                     self.exit_order.append(rank)
+            self._read_reports()
             alive = [p for p in self.procs if p.exitcode is None]
             if not alive:
                 break
-            if failed_at is None and any(self.procs[r].exitcode for r in self.exit_order):
+            # a rank that reported its error has failed, even if its process lingers
+            if failed_at is None and (self.reported or any(self.procs[r].exitcode
+                                                           for r in self.exit_order)):
                 failed_at = time.monotonic()
             if failed_at is not None:
                 for rank, proc in self._running():
@@ -314,9 +326,12 @@ class Watch:
                         self._kill(rank)
                 if time.monotonic() - failed_at > GRACE_S:
                     self._kill_all()
-            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.5)
+            waiting = [c for r, c in enumerate(self.reports)
+                       if r not in self.reported and r not in self.unreported]
+            multiprocessing.connection.wait([p.sentinel for p in alive] + waiting, timeout=0.5)
         for proc in self.procs:
             proc.join()
+        self._read_reports()
         failed = [r for r in self.exit_order if self.procs[r].exitcode]
         if self.aborted:
             raise Interrupted(self.signum, f"aborted by a second {signal_name(self.signum)}: "
@@ -329,13 +344,24 @@ class Watch:
                                   f"the workers could checkpoint (rank {rank}: {message})")
             raise WorkerFailed(rank, message)
 
+    def _read_reports(self) -> None:
+        """Take what a rank reported; a pipe closed without a report (the rank exited, or
+        exec'd away from it) is not waited on again."""
+        for rank, conn in enumerate(self.reports):
+            if rank in self.reported or rank in self.unreported or not _ready(conn):
+                continue
+            report = read_report(conn)
+            if report is None:
+                self.unreported.add(rank)
+            else:
+                self.reported[rank] = report
+
     def _root_cause(self, failed: list[int]) -> tuple[int, str]:
         """A rank that died on its own (a signal, an exit without a Python error) comes first:
         the others' errors follow from it. Then a rank that stopped answering (stopped, or
         still running when its peers timed out): the timeouts follow from it. Otherwise the
         rank that raised first."""
-        reports = {r: rep for r, conn in enumerate(self.reports)
-                   if (rep := read_report(conn)) is not None}
+        reports = self.reported
         for rank in failed:
             if rank not in reports and rank not in self.killed:
                 code = self.procs[rank].exitcode

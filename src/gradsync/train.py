@@ -38,7 +38,7 @@ from gradsync.config import (
     validate,
 )
 from gradsync.devices import DeviceError, check_cuda
-from gradsync.faults import signal_name
+from gradsync.faults import exit_now, signal_name
 from gradsync.launch import (
     Interrupted,
     WorkerFailed,
@@ -164,8 +164,9 @@ def _train(plain: dict, mode: RunMode | None, run_dir: Path) -> dict:
     started = time.perf_counter()
     try:
         signum = launch(RunConfig.from_plain(plain), run_dir)
-    except WorkerFailed as e:
-        return _fail(mode, run_dir, "training failed", str(e), 1)
+    except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
+        # training (kept alive by the error's context) must not be freed (faults.exit_now)
+        return _fail(mode, run_dir, "training failed", str(e), 1, hard=under_torchrun())
     except Interrupted as e:
         print(f"gradsync: {e}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
@@ -190,10 +191,10 @@ def _first_line(text: str) -> str:
 
 
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
-          record: bool = True) -> dict:
+          record: bool = True, hard: bool = False) -> dict:
     """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
     goes on (SweepSummary makes it exit 1 at the end). record=False leaves the run dir's
-    summary.json alone."""
+    summary.json alone; hard: the exit frees nothing (faults.exit_now)."""
     failed = {"status": "failed", "error": f"{kind}: {message}"}
     if record and run_dir.is_dir() and is_rank0():
         try:
@@ -202,6 +203,8 @@ def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: in
             pass
     print(f"gradsync: {kind}: {message}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
+        if hard:
+            exit_now(code)
         sys.exit(code)
     return failed  # raising would make Hydra's sweeper stop and skip on_multirun_end
 
