@@ -6,7 +6,8 @@ and the range.
 
     python bench/startup.py [--rounds 5] [--variant LABEL=KEY=VALUE,...]
 
-By default: this tree as it starts workers (fork on CPU), and the same tree with
+By default: the floor (a bare torch process taking one SGD step: what any torch training command
+pays), this tree as it starts workers (fork on CPU), and the same tree with
 GRADSYNC_START_METHOD=spawn (a fresh interpreter per worker, as before). A variant may set
 PYTHONPATH to another checkout's src/ to compare code (before/after a change). `make bench`
 runs it after the throughput benchmark (STARTUP_ARGS=...).
@@ -26,19 +27,35 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = ["-m", "gradsync.train", "trainer.max_steps=1", "trainer.progress_bar=false"]
-DEFAULT_VARIANTS = {"fork (default on CPU)": {},
-                    "spawn": {"GRADSYNC_START_METHOD": "spawn"}}
+# The floor under any torch training command: one process imports torch, takes one SGD step
+# (whose first call imports torch._dynamo: torch.optim wraps its methods in
+# torch._disable_dynamo) and writes its row. No gradsync, no Hydra, no second process.
+FLOOR = """import json, pathlib, sys, torch
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+torch.nn.functional.cross_entropy(model(x), y).backward()
+opt.step()
+run = pathlib.Path(sys.argv[1]); run.mkdir()
+(run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\\n")
+"""
+FLOOR_NAME = "floor: import torch + 1 SGD step"
+DEFAULT_VARIANTS: dict[str, dict[str, str] | None] = {
+    FLOOR_NAME: None, "fork (default on CPU)": {}, "spawn": {"GRADSYNC_START_METHOD": "spawn"}}
 
 
-def one_run(env_extra: dict[str, str], timeout: float = 300) -> tuple[float, float]:
-    """Seconds from the command to the first optimizer step, and to the exit."""
+def one_run(env_extra: dict[str, str] | None, timeout: float = 300) -> tuple[float, float]:
+    """Seconds from the command to the first optimizer step, and to the exit (None: the
+    floor's command instead of gradsync's)."""
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", str(REPO / "src"))
-    env.update(env_extra)
+    env.update(env_extra or {})
     with tempfile.TemporaryDirectory() as tmp:
         rows = Path(tmp) / "run" / "metrics.jsonl"
+        command = (["-c", FLOOR, f"{tmp}/run"] if env_extra is None
+                   else [*COMMAND, f"hydra.run.dir={tmp}/run"])
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, *COMMAND, f"hydra.run.dir={tmp}/run"],
+        proc = subprocess.Popen([sys.executable, *command],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=tmp)
         first = None
@@ -55,7 +72,7 @@ def one_run(env_extra: dict[str, str], timeout: float = 300) -> tuple[float, flo
     return first, end
 
 
-def measure(variants: dict[str, dict[str, str]], rounds: int) -> dict[str, list[tuple]]:
+def measure(variants: dict[str, dict[str, str] | None], rounds: int) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {name: [] for name in variants}
     for rnd in range(rounds):
         order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
@@ -74,16 +91,21 @@ def markdown(results: dict[str, list[tuple]]) -> str:
     lines = ["## Start-up: the default experiment, 1 optimizer step", "",
              f"`python {' '.join(COMMAND)}`; median (min-max) seconds over "
              f"{len(next(iter(results.values())))} interleaved rounds.", "",
-             "| variant | command -> first optimizer step s | command -> exit s |",
-             "|---|---|---|"]
+             "| variant | command -> first optimizer step s | x floor | command -> exit s |",
+             "|---|---|---|---|"]
+    floor = statistics.median(r[0] for r in results[FLOOR_NAME]) if FLOOR_NAME in results \
+        else None
     for name, runs in results.items():
-        lines.append(f"| {name} | {cell([r[0] for r in runs])} | {cell([r[1] for r in runs])} |")
+        first = [r[0] for r in runs]
+        ratio = f"{statistics.median(first) / floor:.2f}" if floor else "-"
+        lines.append(f"| {name} | {cell(first)} | {ratio} | {cell([r[1] for r in runs])} |")
     return "\n".join(lines) + "\n"
 
 
-def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
-    """LABEL=KEY=VALUE[,KEY=VALUE...] (LABEL= alone: no extra environment)."""
-    variants = {}
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str] | None]:
+    """LABEL=KEY=VALUE[,KEY=VALUE...] (LABEL= alone: no extra environment); the floor is
+    always measured beside them."""
+    variants: dict[str, dict[str, str] | None] = {FLOOR_NAME: None}
     for spec in specs:
         label, _, rest = spec.partition("=")
         variants[label] = dict(kv.split("=", 1) for kv in rest.split(",") if kv)

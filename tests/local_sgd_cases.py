@@ -24,19 +24,30 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     overflow on that rank only."""
     snaps: list[tuple] = []
     scales: list[float] = []
+    shm_used = []  # True per averaging that went through the shared-memory slots
 
     def recording(p):
         policy = p.policy.impl  # the LocalSGD / DiLoCo object the loop reaches through Policy
         after_window, finish = policy.after_window, policy.finish
 
+        def through_slots(average, *args):
+            """average(*args); if it averaged, whether this rank's slot was written."""
+            slots = policy.slots
+            before = None if slots is None else slots.slots[dist.get_rank(), :8].clone()
+            policy.replica_drift = None
+            average(*args)
+            if policy.replica_drift is not None:
+                shm_used.append(before is not None and not torch.equal(
+                    before, slots.slots[dist.get_rank(), :8]))
+
         def after(model, windows_done):
-            after_window(model, windows_done)
+            through_slots(after_window, model, windows_done)
             snaps.append((windows_done, policy.replica_drift is not None, flat(model)))
             scales.append(p.precision.scale)
 
         def done(model):
             before = policy.averaging.averagings
-            finish(model)
+            through_slots(finish, model)
             snaps.append(("finish", policy.averaging.averagings > before, flat(model)))
 
         policy.after_window, policy.finish = after, done
@@ -53,7 +64,8 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
         return p
 
     summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
-    out: dict = {"summary": summary, "snaps": snaps, "scales": scales}
+    out: dict = {"summary": summary, "snaps": snaps, "scales": scales,
+                 "averaged_through_shm": shm_used}
     if dist.get_rank() == 0:
         out["rows"] = rows
         out["ckpt"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")

@@ -66,3 +66,15 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
         cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
         built = build(cfg["sync"])
         assert (built.name, built.every, built.syncs_parameters) == (policy, 8, True)
+
+
+def test_the_startup_table_gives_each_variant_as_a_multiple_of_the_floor():
+    sys.path.insert(0, str(REPO / "bench"))
+    import startup
+
+    table = startup.markdown({startup.FLOOR_NAME: [(2.0, 2.1), (3.0, 3.1), (2.5, 2.6)],
+                              "fork (default on CPU)": [(5.0, 6.0), (6.0, 7.0), (5.5, 6.5)]})
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+            for line in table.splitlines() if line.startswith("| ") and "variant" not in line}
+    assert rows[startup.FLOOR_NAME][:2] == ["2.50 (2.00-3.00)", "1.00"]
+    assert rows["fork (default on CPU)"] == ["5.50 (5.00-6.00)", "2.20", "6.50 (6.00-7.00) |"]

@@ -72,6 +72,26 @@ def test_drift_is_logged_at_every_averaging_and_its_max_in_the_summary(local):
     assert r0["summary"]["optimizer_steps"] == r0["summary"]["windows"] == WINDOWS
 
 
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_the_averaging_goes_through_shared_memory_with_the_bits_of_a_gloo_all_reduce(
+        local, pool2, tmp_path, wire):
+    """CPU ranks of one host average through the slots of the shared-memory all-reduce (idle
+    after warm-up); over gloo (trainer.allreduce=process_group) every window ends with the same
+    bits on both ranks, the drift is the same number and the same bytes are counted."""
+    cfg = [*LOCAL, f"sync.comm_dtype={wire}"]
+    shm = local if wire == "fp32" else pool2.run(local_sgd_cases.recorded_run, plain_cfg(cfg),
+                                                 str(tmp_path / "shm"))
+    gloo = pool2.run(local_sgd_cases.recorded_run,
+                     plain_cfg([*cfg, "trainer.allreduce=process_group"]), str(tmp_path / "gloo"))
+    for a, b in zip(shm, gloo, strict=True):
+        assert a["averaged_through_shm"] == [True] * 4 and b["averaged_through_shm"] == [False] * 4
+        for (wa, da, xa), (wb, db, xb) in zip(a["snaps"], b["snaps"], strict=True):
+            assert (wa, da) == (wb, db) and torch.equal(xa, xb), wa
+        for key in ("allreduce_calls", "allreduce_bytes", "max_replica_drift"):
+            assert a["summary"][key] == b["summary"][key], key
+    assert not torch.equal(shm[0]["snaps"][3][2], shm[1]["snaps"][3][2])  # window 4: apart
+
+
 def test_every_averaging_moves_exactly_the_models_bytes(local, pool2, tmp_path):
     r0, r1 = local
     for r in (r0, r1):  # 2 exact warm-up all-reduces (one bucket) + 4 averagings, fp32

@@ -18,28 +18,38 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm import CommCounts
+from gradsync.shm_allreduce import SharedSlots, mean_through_slots
 
 
 def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None, counts: CommCounts,
              group: dist.ProcessGroup | None = None) -> None:
-    """In place: every tensor becomes its mean over the group's ranks. One all-reduce of the
-    tensors flattened into one buffer of wire_dtype (None: their own dtype, which must be
-    shared), divided by the world size before it as DDP's compress hooks do; every rank ends
-    with the same bits. Counted: one call, numel x wire itemsize bytes."""
+    """In place: every tensor becomes its mean over the group's ranks, in ONE all-reduce of
+    the tensors flattened into one buffer (mean_over_ranks; their dtype must be shared)."""
     if not tensors:
         return
-    world = dist.get_world_size(group)
-    dtype = wire_dtype or tensors[0].dtype
-    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-    flat.div_(world)
-    dist.all_reduce(flat, group=group)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    mean = mean_over_ranks(flat, wire_dtype, counts, group=group)
+    for t, m in zip(tensors, _views(mean, tensors), strict=True):
+        t.copy_(m)
+
+
+def mean_over_ranks(src: torch.Tensor, wire_dtype: torch.dtype | None, counts: CommCounts,
+                    slots: SharedSlots | None = None,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The mean over the group's ranks of a flat tensor, summed in wire_dtype (None: src's
+    dtype), divided before the sum as DDP's hooks do: through the run's shared-memory slots
+    when it has them (CPU ranks of one host; the same bits) and the tensor fits, else one
+    all-reduce. Counted as one call of numel x wire itemsize bytes."""
+    dtype = wire_dtype or src.dtype
     counts.allreduce_calls += 1
-    counts.allreduce_bytes += flat.numel() * flat.element_size()
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
+    counts.allreduce_bytes += src.numel() * dtype.itemsize
+    mean = mean_through_slots(slots, src, wire_dtype) if slots is not None else None
+    if mean is None:
+        world = dist.get_world_size(group)
+        wire = torch.div(src, world) if dtype == src.dtype else src.to(dtype).div_(world)
+        dist.all_reduce(wire, group=group)
+        mean = wire if wire.dtype == src.dtype else wire.to(src.dtype)
+    return mean
 
 
 def float_state(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -48,6 +58,15 @@ def float_state(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.
     params: list[torch.Tensor] = list(model.parameters())
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     return params, buffers
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` shaped as the tensors of `like`."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
 
 
 # An outer update: (global tensors, their mean pseudo-gradients) -> None, in place on global.
@@ -64,35 +83,46 @@ class Anchor:
     """The fp32 consensus copy of a replica's parameters and float buffers (the same on every
     rank), and the round that moves it: average the pseudo-gradients, let an outer step move the
     parameters' copy (the buffers' copy is always plainly averaged), copy the result into the
-    replica. Also measures how far the replicas had drifted apart."""
+    replica. Also measures how far the replicas had drifted apart.
+
+    The copy lives in one flat buffer (``params`` and ``buffers`` are views into it), and so do
+    the round's pseudo-gradients: a round is seven passes over the model and one all-reduce."""
 
     def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]):
-        self.params = [p.detach().float().clone() for p in params]
-        self.buffers = [b.detach().float().clone() for b in buffers]
+        tensors = [t.detach() for t in params + buffers]
+        self.flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32,
+                                device=tensors[0].device if tensors else None)
+        views = _views(self.flat, tensors)
+        for v, t in zip(views, tensors, strict=True):
+            v.copy_(t)
+        self.params, self.buffers = views[:len(params)], views[len(params):]
+        self.local = torch.empty_like(self.flat)  # this rank's pseudo-gradient of a round
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Anchor:
         return cls(*float_state(model))
 
     def sync(self, model: torch.nn.Module, outer: OuterStep, wire_dtype: torch.dtype | None,
-             counts: CommCounts) -> float:
+             counts: CommCounts, slots: SharedSlots | None = None) -> float:
         """One averaging round (collective). Returns this rank's drift before it:
         ||theta_r - theta_mean|| / ||theta_mean|| over parameters and float buffers."""
         params, buffers = float_state(model)
+        replica = [t.detach() for t in params + buffers]
         mine = self.params + self.buffers
-        local = torch._foreach_sub(mine, [t.detach().float() for t in params + buffers])
-        pseudo = [t.clone() for t in local]
-        average_(pseudo, wire_dtype, counts)
+        for d, g, t in zip(_views(self.local, replica), mine, replica, strict=True):
+            torch.sub(g, t, out=d)  # this rank's pseudo-gradient global - local
+        mean = mean_over_ranks(self.local, wire_dtype, counts, slots)  # pseudo-gradient
         # theta_r - theta_mean = (g - local_pseudo_r) - (g - mean_pseudo) = mean - local
-        off = torch._foreach_norm(torch._foreach_sub(pseudo, local))
-        mean_state = torch._foreach_norm(torch._foreach_sub(mine, pseudo))
-        num, den = torch.stack(off).norm(), torch.stack(mean_state).norm()
+        norm = torch.linalg.vector_norm  # of a difference written over `local`: no temporaries
+        num = norm(torch.sub(mean, self.local, out=self.local))
+        den = norm(torch.sub(self.flat, mean, out=self.local))  # the mean replica's norm
         drift = float(num / den) if den > 0 else float(num)
         n = len(self.params)
+        pseudo = _views(mean, replica)
         outer(self.params, pseudo[:n])
         plain_average(self.buffers, pseudo[n:])
         with torch.no_grad():
-            for t, g in zip(params + buffers, mine, strict=True):
+            for t, g in zip(replica, mine, strict=True):
                 t.copy_(g)
         return drift
 

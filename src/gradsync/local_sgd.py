@@ -25,6 +25,7 @@ from gradsync.averaging import Anchor, plain_average
 from gradsync.comm import CommCounts
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.precision import DTYPES
+from gradsync.shm_allreduce import SharedSlots
 
 COMM_DTYPES = ("fp32", "bf16")
 
@@ -122,6 +123,11 @@ class ModelAveraging:
         self.anchor: Anchor | None = None  # the global weights; None during warm-up
         self.in_sync = True
         self.replica_drift: float | None = None  # measured by the last after_window, if it averaged
+        self.slots: SharedSlots | None = None  # the run's shared-memory all-reduce, if it has one
+
+    def use_shared_memory(self, slots: SharedSlots) -> None:
+        """The averaging all-reduces through the slots DDP's hook uses (idle after warm-up)."""
+        self.slots = slots
 
     # --- the loop's questions (the warm-up all-reduces with DDP's exact default hook; no
     # overflow consensus: each rank's GradScaler skips its own overflowing steps, as after
@@ -160,7 +166,8 @@ class ModelAveraging:
 
     def _sync(self, model: torch.nn.Module) -> None:
         assert self.anchor is not None
-        self.replica_drift = self.anchor.sync(model, self.outer.step, self.wire, self.counts)
+        self.replica_drift = self.anchor.sync(model, self.outer.step, self.wire, self.counts,
+                                              self.slots)
         self.averaging.averagings += 1
         self.averaging.max_replica_drift = max(self.averaging.max_replica_drift,
                                                self.replica_drift)

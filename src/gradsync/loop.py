@@ -169,8 +169,11 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
     # counts as a step everywhere (counters, LR schedule, cadences stay the same on every rank)
     stepped = stepped or p.policy.syncs_parameters
     # gradients that are views into DDP's buckets stay so (zeroed): set to None, they come back
-    # as fresh tensors that DDP copies into the buckets at every synchronising backward
-    p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view)
+    # as fresh tensors that DDP copies into the buckets at every synchronising backward. A
+    # policy that syncs parameters has (after its warm-up) no synchronising backward: None
+    # spares the zeroing pass and the backward's accumulation into the zeros.
+    p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view
+                          or p.policy.syncs_parameters)
     if stepped:
         p.lr_scheduler.step()
     return stepped, norm

@@ -26,6 +26,7 @@ from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.layer_sync import LayerSync, Rules, check_groups
 from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.precision import DTYPES
+from gradsync.shm_allreduce import SharedSlots
 
 
 @dataclass
@@ -63,6 +64,11 @@ class SyncPolicy(Protocol):
 
     def comm_hook(self) -> InnerHook:
         """The all-reduce DDP runs on a syncing backward (the counting hook wraps it)."""
+        ...
+
+    def use_shared_memory(self, slots: SharedSlots) -> None:
+        """The run's CPU ranks all-reduce through shared memory (shm_allreduce): a policy that
+        averages by itself may do so through the same slots (averaging.mean_over_ranks)."""
         ...
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
@@ -120,6 +126,12 @@ class Policy:
     def comm_hook(self) -> InnerHook:
         hook = getattr(self.impl, "comm_hook", None)
         return hook() if hook else allreduce_in(None)
+
+    def use_shared_memory(self, slots: SharedSlots) -> None:
+        """The run all-reduces through shared memory: a policy that averages by itself may too."""
+        use = getattr(self.impl, "use_shared_memory", None)
+        if use:
+            use(slots)
 
     def window_doomed(self, ddp: DistributedDataParallel, micro_index: int,
                       window_size: int) -> bool:

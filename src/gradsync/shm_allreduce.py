@@ -54,20 +54,7 @@ def shm_hook(state: SharedSlots, bucket: dist.GradBucket) -> torch.futures.Futur
     if state.offset + nbytes > state.slots.shape[1]:
         raise RuntimeError(f"shared-memory all-reduce: a backward's buckets exceed the "
                            f"{state.slots.shape[1]} bytes reserved for the gradients")
-    mine = state.region(state.rank, buf.numel(), dtype)
-    if state.wire_dtype is None:
-        torch.div(buf, state.world_size, out=mine)  # one pass: the copy is the division
-    else:  # as DDP's compress hooks: cast, then divide in the wire dtype
-        mine.copy_(buf)
-        mine.div_(state.world_size)
-    state.barrier()  # every slot is written
-    slots = [state.region(r, buf.numel(), dtype) for r in range(state.world_size)]
-    total = buf if state.wire_dtype is None else torch.empty_like(mine)
-    torch.add(slots[0], slots[1], out=total)
-    for s in slots[2:]:
-        total.add_(s)
-    if total is not buf:
-        buf.copy_(total)
+    _mean_into(state, buf, dtype, buf)
     state.offset += -(-nbytes // ALIGN) * ALIGN
     if bucket.is_last():
         state.barrier()  # every slot is read: the next backward may write
@@ -75,6 +62,40 @@ def shm_hook(state: SharedSlots, bucket: dist.GradBucket) -> torch.futures.Futur
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def mean_through_slots(state: SharedSlots, src: torch.Tensor,
+                       wire_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The mean over ranks of every rank's `src` (flat), summed in wire_dtype (None: src's) as
+    the hook sums a bucket, into a new tensor of src's dtype; None when it does not fit in a
+    slot (the caller all-reduces instead). Between backwards only (a policy's averaging)."""
+    dtype = wire_dtype or src.dtype
+    if state.offset or src.numel() * dtype.itemsize > state.slots.shape[1]:
+        return None
+    out = torch.empty_like(src)
+    _mean_into(state, src, dtype, out)
+    state.barrier()  # every slot is read
+    return out
+
+
+def _mean_into(state: SharedSlots, src: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor) -> None:
+    """src / world_size into this rank's slot (in dtype), then, once every rank has written,
+    the slots summed in rank order into out: the same bits on every rank."""
+    mine = state.region(state.rank, src.numel(), dtype)
+    if dtype == src.dtype:
+        torch.div(src, state.world_size, out=mine)  # one pass: the copy is the division
+    else:  # as DDP's compress hooks: cast, then divide in the wire dtype
+        mine.copy_(src)
+        mine.div_(state.world_size)
+    state.barrier()  # every slot is written
+    slots = [state.region(r, src.numel(), dtype) for r in range(state.world_size)]
+    total = out if out.dtype == dtype else torch.empty_like(mine)
+    torch.add(slots[0], slots[1], out=total)
+    for s in slots[2:]:
+        total.add_(s)
+    if total is not out:
+        out.copy_(total)
 
 
 def _start_time(pid: int) -> str:
@@ -155,8 +176,7 @@ def map_slots(capacity: int) -> torch.Tensor | None:
     return mapped[ALIGN:].view(world, capacity) if all(oks) and mapped is not None else None
 
 
-def over_shared_memory(inner: InnerHook, params: list[torch.nn.Parameter],
-                       mode: str) -> InnerHook:
+def over_shared_memory(inner: InnerHook, params: list[torch.Tensor], mode: str) -> InnerHook:
     """The policy's all-reduce (inner: exact or a compress hook's wire dtype) done through
     shared memory. mode: auto (when every rank is on this host, else inner unchanged) or
     shared_memory (an error otherwise). Collective over the default group."""

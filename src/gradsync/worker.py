@@ -96,9 +96,14 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     )
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
-        inner = over_shared_memory(inner, list(ddp.parameters()), tr.allreduce)
+        # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
+        held = list(ddp.parameters()) + ([b for b in model.buffers() if b.is_floating_point()]
+                                         if policy.syncs_parameters else [])
+        inner = over_shared_memory(inner, held, tr.allreduce)
     install_counting_hook(ddp, inner, counts)
     transport = "shared_memory" if inner.hook is shm_hook else "process_group"
+    if inner.hook is shm_hook:
+        policy.use_shared_memory(inner.state)
     optimizer = build(cfg.optimizer)(ddp.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro)
     total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
