@@ -254,3 +254,24 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     assert {k: out["summary"][k] for k in keys} == {k: ref["summary"][k] for k in keys}
     for name, value in ref["params"].items():
         assert torch.equal(out["params"][name], value), name
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():
+    """OuterSGD (fused torch SGD) against the update written out: buf = m * buf + d,
+    global -= lr * (d + m * buf), from zero momentum, over three rounds."""
+    from gradsync.local_sgd import OuterSGD
+
+    gen = torch.Generator().manual_seed(0)
+    globals_ = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    expected = [g.clone() for g in globals_]
+    bufs = [torch.zeros_like(g) for g in globals_]
+    outer = OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        pseudo = [torch.randn(g.shape, generator=gen) * 0.01 for g in globals_]
+        outer.step(globals_, [d.clone() for d in pseudo])
+        for e, b, d in zip(expected, bufs, pseudo, strict=True):
+            b.mul_(0.9).add_(d)
+            e.sub_(0.7 * (d + 0.9 * b))
+    for g, e in zip(globals_, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+        assert g.grad is None  # the pseudo-gradient is not left behind
