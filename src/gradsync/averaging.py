@@ -1,9 +1,10 @@
 """Averaging tensors over ranks outside DDP's gradient all-reduce: the mechanism behind the
-policies that synchronise parameters themselves (local SGD, DiLoCo) and, later, per-layer rules.
+policies that synchronise parameters themselves (local SGD, DiLoCo) and per-layer rules.
 
-``average_`` turns each tensor of a list into its mean over ranks with ONE all-reduce of a flat
-buffer in a chosen wire dtype, and adds that all-reduce to the run's ``CommCounts`` (the same
-counters DDP's counting comm hook fills). ``Anchor`` keeps the fp32 consensus ("global") copy of
+``mean_over_ranks`` is the mean over ranks of a flat buffer in a chosen wire dtype (through the
+run's shared-memory slots when it has them, else one all-reduce) and adds that all-reduce to the
+run's ``CommCounts`` (the same counters DDP's counting comm hook fills); ``average_`` applies it
+to a list of tensors in place. ``Anchor`` keeps the fp32 consensus ("global") copy of
 a set of tensors and averages each rank's distance from it (the pseudo-gradient
 ``global - local``), which is what DiLoCo's outer optimizer steps on; an outer step of
 ``global -= mean pseudo-gradient`` is plain model averaging, done on the small differences so

@@ -109,7 +109,7 @@ class OuterSGD:
 class ModelAveraging:
     """The policy: exact accumulate for `warmup_steps` windows, then local steps, and every
     `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
-    global weights. LocalSGD and DiLoCo below only choose the outer update."""
+    global weights. LocalSGD and DiLoCo below build it; they only choose the outer update."""
 
     syncs_parameters = True  # no gradient all-reduce after warm-up: this policy syncs the models
 
@@ -187,23 +187,21 @@ class ModelAveraging:
         self.outer.load_state_dict(state["outer"], self.anchor.params if self.anchor else [])
 
 
+# The components (`_target_`s of conf/sync/local_sgd.yaml and diloco.yaml): each chooses the
+# outer update and its defaults for the one policy class, ModelAveraging.
 @checks(_check_local_sgd)
-class LocalSGD(ModelAveraging):
+def LocalSGD(every: int = 8, warmup_steps: int = 0, comm_dtype: str = "fp32",
+             counts: CommCounts | None = None) -> ModelAveraging:
     """sync=local_sgd: every `every` windows the replicas are replaced by their mean."""
-
-    def __init__(self, every: int = 8, warmup_steps: int = 0, comm_dtype: str = "fp32",
-                 counts: CommCounts | None = None):
-        super().__init__("local_sgd", every, warmup_steps, comm_dtype, MeanModel(), counts)
+    return ModelAveraging("local_sgd", every, warmup_steps, comm_dtype, MeanModel(), counts)
 
 
 @checks(_check_diloco)
-class DiLoCo(ModelAveraging):
+def DiLoCo(every: int = 32, warmup_steps: int = 0, comm_dtype: str = "fp32",
+           outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
+           counts: CommCounts | None = None) -> ModelAveraging:
     """sync=diloco: the configured optimizer is the inner one; every `every` windows an outer SGD
     (Nesterov momentum by default, as in the paper) steps the global weights on the mean
     pseudo-gradient and every rank continues from them."""
-
-    def __init__(self, every: int = 32, warmup_steps: int = 0, comm_dtype: str = "fp32",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 outer_nesterov: bool = True, counts: CommCounts | None = None):
-        super().__init__("diloco", every, warmup_steps, comm_dtype,
-                         OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)
+    return ModelAveraging("diloco", every, warmup_steps, comm_dtype,
+                          OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)
