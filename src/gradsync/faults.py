@@ -91,6 +91,16 @@ class StopAgreement:
 PROCESS_FLAG = StopFlag()
 
 
+def process_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (so [0] is the state letter, T:
+    stopped; [19] the start time in clock ticks since boot); [] when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -143,10 +153,9 @@ def exit_now(code: int) -> NoReturn:
 
 
 def read_report(conn: Any) -> tuple[int, str] | None:
-    """(when, message) a rank reported, or None: read as text only."""
+    """(when, message) a rank reported on a pipe that is ready to read, or None when it was
+    closed without one: read as text only."""
     try:
-        if not conn.poll():
-            return None
         when, message = conn.recv_bytes(4 * MAX_REPORT + 64).decode(errors="replace").split(
             "\n", 1)
         return int(when), message

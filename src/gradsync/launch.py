@@ -31,7 +31,14 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import exit_now, read_report, report_failure, report_to, signal_name
+from gradsync.faults import (
+    exit_now,
+    process_stat,
+    read_report,
+    report_failure,
+    report_to,
+    signal_name,
+)
 from gradsync.settings import RunConfig
 from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.worker import pick_backend, worker_main
@@ -220,19 +227,16 @@ def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
 
 
 def _ready(conn: Any) -> bool:
+    """Something to read: a report, or the end of a pipe closed without one."""
     try:
         return bool(conn.poll())
     except (OSError, EOFError):
         return True  # read_report then finds nothing
 
 
-def _process_state(pid: int) -> str:
-    """The state letter of /proc/<pid>/stat (T: stopped), "" when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+def _stopped(pid: int) -> bool:
+    """Stopped (SIGSTOP, a debugger): it will never exit on its own."""
+    return process_stat(pid)[:1] in (["T"], ["t"])
 
 
 class Watch:
@@ -295,7 +299,7 @@ class Watch:
                 pass
 
     def _kill(self, rank: int) -> None:
-        if _process_state(self.procs[rank].pid) in ("T", "t"):
+        if _stopped(self.procs[rank].pid):
             self.stopped.add(rank)
         self.procs[rank].kill()
         self.killed.add(rank)
@@ -322,7 +326,7 @@ class Watch:
                 failed_at = time.monotonic()
             if failed_at is not None:
                 for rank, proc in self._running():
-                    if _process_state(proc.pid) in ("T", "t"):  # will never exit on its own
+                    if _stopped(proc.pid):
                         self._kill(rank)
                 if time.monotonic() - failed_at > GRACE_S:
                     self._kill_all()

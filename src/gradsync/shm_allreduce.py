@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm import InnerHook
+from gradsync.faults import process_stat
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 ALIGN = 64  # bytes: every bucket's region starts on a cache line
@@ -99,13 +100,10 @@ def _mean_into(state: SharedSlots, src: torch.Tensor, dtype: torch.dtype,
 
 
 def _start_time(pid: int) -> str:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), "" when
-    there is no such process: with the pid, it names one process of this boot."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+    """When process `pid` started (clock ticks since boot), "" when there is no such process:
+    with the pid, it names one process of this boot."""
+    fields = process_stat(pid)
+    return fields[19] if len(fields) > 19 else ""
 
 
 def shm_name() -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync import checkpoint, trainstate
+from gradsync.averaging import float_state
 from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.components import build
 from gradsync.data import DataBundle, evaluate, train_loader
@@ -97,12 +98,13 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
         # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
-        held = list(ddp.parameters()) + ([b for b in model.buffers() if b.is_floating_point()]
-                                         if policy.syncs_parameters else [])
-        inner = over_shared_memory(inner, held, tr.allreduce)
+        params, buffers = float_state(model)
+        inner = over_shared_memory(inner, params + buffers if policy.syncs_parameters
+                                   else params, tr.allreduce)
     install_counting_hook(ddp, inner, counts)
-    transport = "shared_memory" if inner.hook is shm_hook else "process_group"
-    if inner.hook is shm_hook:
+    shared = inner.hook is shm_hook
+    transport = "shared_memory" if shared else "process_group"
+    if shared:  # a policy that averages by itself may use the same slots
         policy.use_shared_memory(inner.state)
     optimizer = build(cfg.optimizer)(ddp.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro)
