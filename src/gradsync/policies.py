@@ -240,6 +240,15 @@ def flag_agreement(wire: Compression, uses_scaler: bool) -> OverflowConsensus | 
     return OverflowConsensus() if uses_scaler and wire.own_replicas else None
 
 
+def agree_through(policy: Any, agreement: OverflowConsensus | None) -> OverflowCounts:
+    """The policy's agree_on_overflow is the agreement's (none: Policy's default, nothing);
+    returns the counters the policy reports as its `overflow`."""
+    if agreement is None:
+        return OverflowCounts()
+    answer_with(policy, agreement, ("agree_on_overflow",))
+    return agreement.overflow
+
+
 class OverflowConsensus:
     """fp16 with a GradScaler: after every no_sync backward each rank checks its accumulated
     gradients for inf/nan and one MAX all-reduce of that flag tells every rank whether any rank
@@ -315,14 +324,10 @@ class AccumulateSync:
         answer_with(self, self.wire, WIRE_MEMBERS)
         self.own_replicas = self.wire.own_replicas
         self.agreement = flag_agreement(self.wire, uses_scaler)
-        self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
+        self.overflow = agree_through(self, self.agreement)
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
-
-    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        if self.agreement is not None:
-            self.agreement.agree_on_overflow(found_inf)
 
 
 def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
@@ -356,7 +361,7 @@ class AmpAwareSync:
         self.own_replicas = self.wire.own_replicas
         self.consensus = OverflowConsensus() if overflow_consensus and uses_scaler else None
         self.agreement = self.consensus or flag_agreement(self.wire, uses_scaler)
-        self.overflow = self.agreement.overflow if self.agreement else OverflowCounts()
+        self.overflow = agree_through(self, self.agreement)
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return last_micro_batch(micro_index, window_size)
@@ -365,10 +370,6 @@ class AmpAwareSync:
                       window_size: int) -> bool:
         return self.consensus is not None and self.consensus.window_doomed(ddp, micro_index,
                                                                            window_size)
-
-    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
-        if self.agreement is not None:
-            self.agreement.agree_on_overflow(found_inf)
 
 
 def sync_context(ddp: DistributedDataParallel, sync: bool):
