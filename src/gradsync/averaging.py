@@ -22,22 +22,21 @@ from gradsync.comm import CommCounts
 from gradsync.shm_allreduce import SharedSlots, mean_through_slots
 
 
-def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None, counts: CommCounts,
-             group: dist.ProcessGroup | None = None) -> None:
-    """In place: every tensor becomes its mean over the group's ranks, in ONE all-reduce of
+def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None,
+             counts: CommCounts) -> None:
+    """In place: every tensor becomes its mean over ranks, in ONE all-reduce of
     the tensors flattened into one buffer (mean_over_ranks; their dtype must be shared)."""
     if not tensors:
         return
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    mean = mean_over_ranks(flat, wire_dtype, counts, group=group)
+    mean = mean_over_ranks(flat, wire_dtype, counts)
     for t, m in zip(tensors, _views(mean, tensors), strict=True):
         t.copy_(m)
 
 
 def mean_over_ranks(src: torch.Tensor, wire_dtype: torch.dtype | None, counts: CommCounts,
-                    slots: SharedSlots | None = None,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The mean over the group's ranks of a flat tensor, summed in wire_dtype (None: src's
+                    slots: SharedSlots | None = None) -> torch.Tensor:
+    """The mean over ranks of a flat tensor, summed in wire_dtype (None: src's
     dtype), divided before the sum as DDP's hooks do: through the run's shared-memory slots
     when it has them (CPU ranks of one host; the same bits) and the tensor fits, else one
     all-reduce. Counted as one call of numel x wire itemsize bytes."""
@@ -46,9 +45,9 @@ def mean_over_ranks(src: torch.Tensor, wire_dtype: torch.dtype | None, counts: C
     counts.allreduce_bytes += src.numel() * dtype.itemsize
     mean = mean_through_slots(slots, src, wire_dtype) if slots is not None else None
     if mean is None:
-        world = dist.get_world_size(group)
+        world = dist.get_world_size()
         wire = torch.div(src, world) if dtype == src.dtype else src.to(dtype).div_(world)
-        dist.all_reduce(wire, group=group)
+        dist.all_reduce(wire)
         mean = wire if wire.dtype == src.dtype else wire.to(src.dtype)
     return mean
 

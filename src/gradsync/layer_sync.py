@@ -177,7 +177,7 @@ def wire_of(rule: Rule | None, base: torch.dtype | None) -> torch.dtype | None:
     return base if rule is None or rule.comm_dtype is None else DTYPES[rule.comm_dtype]
 
 
-def describe(infos: list[ParamInfo], groups: Any, base: str) -> str:
+def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:
     """The +inspect=params table: every parameter's name, shape, bytes and rule, then the
     groups' totals."""
     rules = parse_rules(groups or [])

@@ -50,6 +50,8 @@ class SyncPolicy(Protocol):
     # syncs_parameters: bool         True: the policy keeps the replicas consistent itself
     #                                (averaging parameters); windows may then end unsynchronised
     # overflow: OverflowCounts       counters of the overflow handling
+    # averaging: a dataclass         counters of a policy that averages the models (local SGD's
+    #                                AveragingCounts), in summary.json and checkpoints
     # own_replicas: bool             True: some parameters (and their optimizer state) differ
     #                                across ranks between averagings: checkpoints keep every
     #                                rank's model and optimizer (sync.groups with `every`;
@@ -114,6 +116,7 @@ class Policy:
         self.name: str = getattr(impl, "name", type(impl).__name__)
         self.syncs_parameters = bool(getattr(impl, "syncs_parameters", False))
         self.overflow: OverflowCounts = getattr(impl, "overflow", None) or OverflowCounts()
+        self.averaging: Any = getattr(impl, "averaging", None)
         self.own_replicas = self.syncs_parameters or bool(getattr(impl, "own_replicas", False))
 
     def bind(self, model: nn.Module) -> list[str]:

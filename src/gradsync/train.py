@@ -353,14 +353,14 @@ def inspect_params(overrides: list[str]) -> None:
     """`gradsync-train ... +inspect=params`: the model's parameters (name, shape, bytes) and the
     sync.groups rule each one falls under, from the config the same overrides compose; nothing
     is trained and no run dir is made. Exit 2 with one line for a bad config."""
-    from gradsync.layer_sync import describe, model_parameters
+    from gradsync.layer_sync import model_parameters, parameter_table
 
     try:
         plain = compose_plain(overrides)
         validate(plain, torch.cuda.is_available())
         sync = plain["sync"]
         infos = model_parameters(plain["model"], plain["data"], plain["seed"])
-        print(describe(infos, sync.get("groups"), sync.get("comm_dtype", "fp32")))
+        print(parameter_table(infos, sync.get("groups"), sync.get("comm_dtype", "fp32")))
     except Exception as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -36,8 +36,7 @@ def components(p: Parts) -> dict[str, Any]:
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
     out = {"comm": p.counts, "overflow": p.policy.overflow}
-    averaging = getattr(p.policy.impl, "averaging", None)  # policies that sync parameters
-    return out if averaging is None else out | {"averaging": averaging}
+    return out if p.policy.averaging is None else out | {"averaging": p.policy.averaging}
 
 
 # With a policy whose replicas differ between averagings (own_replicas: one that syncs parameters,

@@ -219,7 +219,7 @@ def summarize(cfg: RunConfig, p: Parts, state: Progress) -> dict[str, Any]:
     """Per-rank counters gathered to every rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
-    a = getattr(p.policy.impl, "averaging", None)  # AveragingCounts: local SGD, DiLoCo
+    a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
     mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
             "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
