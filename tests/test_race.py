@@ -26,6 +26,7 @@ register_configs()
 # --- the corpus ------------------------------------------------------------------------------
 def test_stdlib_corpus_is_deterministic_and_splits_by_file_without_overlap():
     a = corpus.select(corpus.stdlib_root(), 300_000, 0.2)
+    corpus.select.cache_clear()  # read the files again
     b = corpus.select(corpus.stdlib_root(), 300_000, 0.2)
     assert a.sha256 == b.sha256 and len(a.sha256) == 64
     assert (a.train_files, a.eval_files) == (b.train_files, b.eval_files)

@@ -15,6 +15,7 @@ file's split, path and bytes) and sizes, which the launcher records in run_info.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -71,11 +72,14 @@ class Corpus:
         return sum(len(self.text[f]) for f in self.eval_files)
 
 
+@functools.lru_cache(maxsize=4)
 def select(root: Path, max_bytes: int, eval_fraction: float) -> Corpus:
     """Files in the order of their path's SHA-256 while the total stays within max_bytes (one
     that would exceed it is skipped, smaller ones after it still fit; files under 2 bytes are
     left out); each file to eval when its hash (other bits than the order's) falls in the first
-    eval_fraction of the range, else to train."""
+    eval_fraction of the range, else to train. Read once per process and arguments: the
+    launcher's check and run_info.json, and the workers it forks, share the result (never
+    modified)."""
     corpus = Corpus(root)
     digest = hashlib.sha256()
     total = 0
