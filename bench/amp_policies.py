@@ -33,7 +33,7 @@ ROWS = [
 
 def run(overrides: list[str], run_dir: Path) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}",
+        [sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
          "trainer.progress_bar=false", *overrides],
         capture_output=True, text=True)
     if proc.returncode != 0:

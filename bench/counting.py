@@ -5,7 +5,7 @@ epoch starts so the numbers cover the same steps as gradsync's own counts."""
 from __future__ import annotations
 
 import workload as w
-from gradsync.comm import CommCounts, install_counting_hook
+from gradsync.sync.comm import CommCounts, install_counting_hook
 
 _counts = CommCounts()
 

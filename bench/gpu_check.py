@@ -89,7 +89,7 @@ def child_env() -> dict[str, str]:
 
 
 def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}",
+    return [sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
             "trainer.progress_bar=false", "trainer.backend=nccl", *overrides]
 
 
@@ -328,8 +328,8 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     import torch
 
     from gradsync.components import build
-    from gradsync.repro import seed_everything
-    from gradsync.train import compose_plain
+    from gradsync.run.main import compose_plain
+    from gradsync.train.repro import seed_everything
 
     cfg = compose_plain(LM)
     seed_everything(cfg["seed"])

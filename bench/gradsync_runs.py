@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 
 import workload as w
-from gradsync.loop import Progress, train
-from gradsync.metrics import RunLog
-from gradsync.settings import RunConfig
-from gradsync.worker import build_parts
+from gradsync.config.schema import RunConfig
+from gradsync.run.worker import build_parts
+from gradsync.train.loop import Progress, train
+from gradsync.train.metrics import RunLog
 
 
 def config(accum: int, sync: str, overrides: list[str]) -> dict:
     """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
-    from gradsync.config import validate
-    from gradsync.train import compose_plain
+    from gradsync.config.validate import validate
+    from gradsync.run.main import compose_plain
 
     workload = [
         f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMAND = ["-m", "gradsync.train", "trainer.max_steps=1", "trainer.progress_bar=false"]
+COMMAND = ["-m", "gradsync.run.main", "trainer.max_steps=1", "trainer.progress_bar=false"]
 # The floor under any torch training command: one process imports torch, takes one SGD step
 # (whose first call imports torch._dynamo: torch.optim wraps its methods in
 # torch._disable_dynamo) and writes its row. No gradsync, no Hydra, no second process.

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from gradsync.data import synthetic
+from gradsync.data.bundle import synthetic
 from gradsync.models import MLP
 
 SEED = 0

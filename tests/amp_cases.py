@@ -13,15 +13,15 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from dist_cases import policy as make_policy
 from dist_cases import tiny_model, window_data
-from gradsync.comm import install_counting_hook
-from gradsync.data import mse_per_sample
-from gradsync.loop import Progress, optimizer_step, run_window, train
-from gradsync.metrics import RunLog
-from gradsync.normalize import BySamples
-from gradsync.precision import Precision
-from gradsync.schedules import Window
-from gradsync.settings import RunConfig
-from gradsync.worker import build_parts
+from gradsync.config.schema import RunConfig
+from gradsync.data.bundle import mse_per_sample
+from gradsync.run.worker import build_parts
+from gradsync.sync.comm import install_counting_hook
+from gradsync.train.loop import Progress, optimizer_step, run_window, train
+from gradsync.train.metrics import RunLog
+from gradsync.train.normalize import BySamples
+from gradsync.train.precision import Precision
+from gradsync.train.schedules import Window
 
 MICRO = [3, 3, 3, 3]  # one window of four micro-batches per rank
 

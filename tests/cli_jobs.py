@@ -1,4 +1,4 @@
-"""A real `python -m gradsync.train` job, killed by SIGKILL (the job and its workers, no chance
+"""A real `python -m gradsync.run.main` job, killed by SIGKILL (the job and its workers, no chance
 to clean up) at a chosen moment: for the exact-resume tests of policies that average."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 def start_job(run_dir: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}", *args],
+        [sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True)
 

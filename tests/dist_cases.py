@@ -9,18 +9,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import checkpoint
-from gradsync.comm import install_counting_hook
 from gradsync.components import build
-from gradsync.data import mse_per_sample, pad_batch, token_loss_per_sample
-from gradsync.loop import run_window
+from gradsync.config.schema import RunConfig
+from gradsync.data.bundle import mse_per_sample, pad_batch, token_loss_per_sample
 from gradsync.models import MLP, Transformer
-from gradsync.normalize import BySamples, build_normalizer
-from gradsync.policies import Policy
-from gradsync.precision import Precision
-from gradsync.schedules import Window
-from gradsync.settings import RunConfig
-from gradsync.worker import run_training
+from gradsync.run.worker import run_training
+from gradsync.sync.comm import install_counting_hook
+from gradsync.sync.policies import Policy
+from gradsync.train import checkpoint
+from gradsync.train.loop import run_window
+from gradsync.train.normalize import BySamples, build_normalizer
+from gradsync.train.precision import Precision
+from gradsync.train.schedules import Window
 
 
 def window_data(seed: int, world: int, micro_sizes: list[int], in_dim: int = 6, out_dim: int = 3):
@@ -30,9 +30,9 @@ def window_data(seed: int, world: int, micro_sizes: list[int], in_dim: int = 6, 
              for m in micro_sizes] for _ in range(world)]
 
 
-TARGETS = {"always": "gradsync.policies.AlwaysSync",
-           "accumulate": "gradsync.policies.AccumulateSync",
-           "amp_aware": "gradsync.policies.AmpAwareSync"}
+TARGETS = {"always": "gradsync.sync.policies.AlwaysSync",
+           "accumulate": "gradsync.sync.policies.AccumulateSync",
+           "amp_aware": "gradsync.sync.policies.AmpAwareSync"}
 
 
 def policy(name: str, uses_scaler: bool = False, **kwargs) -> Policy:
@@ -89,7 +89,7 @@ def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] |
     record or poison something); returns the summary and rank 0's rows of metrics.jsonl."""
     import json
 
-    from gradsync import worker
+    from gradsync.run import worker
 
     build = worker.build_parts
     worker.build_parts = lambda *args, **kw: wrap(build(*args, **kw))
@@ -133,7 +133,7 @@ def train_run_expecting(cfg: dict, run_dir: str, error: str) -> str:
 def agree_on_stop(polls: int, flag_rank: int, flag_at: int) -> int:
     """Polls a StopAgreement once per 'step'; rank flag_rank raises its flag before poll
     flag_at. Returns the poll at which this rank is told to stop (-1: never)."""
-    from gradsync.faults import StopAgreement, StopFlag
+    from gradsync.run.faults import StopAgreement, StopFlag
 
     flag = StopFlag()
     group = dist.new_group(backend="gloo")
@@ -193,9 +193,9 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
 def train_recording_steps(cfg: dict) -> dict:
     """The worker's real parts and loop (no outputs written); at every optimizer step, records
     the parameters the window's forwards used and the gradient the step applies."""
-    from gradsync.loop import Progress, train
-    from gradsync.metrics import RunLog
-    from gradsync.worker import build_parts
+    from gradsync.run.worker import build_parts
+    from gradsync.train.loop import Progress, train
+    from gradsync.train.metrics import RunLog
 
     p = build_parts(RunConfig.from_plain(cfg), dist.get_rank(), dist.get_world_size(),
                     torch.device("cpu"))

@@ -22,13 +22,13 @@ def one_rank_nccl() -> torch.device:
 def hot_path(precision: str) -> dict:
     """The loop's windows (forward, backward, all-reduce, clip, step) under
     torch.cuda.set_sync_debug_mode("error"): any wait for the GPU on the host raises."""
-    from gradsync.config import validate
-    from gradsync.data import epoch_batches
-    from gradsync.loop import optimizer_step, run_window
-    from gradsync.schedules import Shard, plan_epoch
-    from gradsync.settings import RunConfig
-    from gradsync.train import compose_plain
-    from gradsync.worker import build_parts
+    from gradsync.config.schema import RunConfig
+    from gradsync.config.validate import validate
+    from gradsync.data.bundle import epoch_batches
+    from gradsync.run.main import compose_plain
+    from gradsync.run.worker import build_parts
+    from gradsync.train.loop import optimizer_step, run_window
+    from gradsync.train.schedules import Shard, plan_epoch
 
     device = one_rank_nccl()
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
@@ -66,8 +66,8 @@ def powersgd_rng() -> dict:
     forks the bucket device's, so the CUDA stream (dropout's) is untouched."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradsync.comm import install_counting_hook
-    from gradsync.policies import AccumulateSync, Policy
+    from gradsync.sync.comm import install_counting_hook
+    from gradsync.sync.policies import AccumulateSync, Policy
 
     device = one_rank_nccl()
     torch.manual_seed(0)

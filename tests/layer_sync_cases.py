@@ -10,7 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dist_cases
-from gradsync import checkpoint
+from gradsync.train import checkpoint
 
 
 def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = -1,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dist_cases
-from gradsync import checkpoint
+from gradsync.train import checkpoint
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:

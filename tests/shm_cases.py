@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import shm_allreduce
-from gradsync.comm import allreduce_in, install_counting_hook
 from gradsync.models import MLP
-from gradsync.shm_allreduce import SHM_DIR, over_shared_memory
+from gradsync.sync import shm_allreduce
+from gradsync.sync.comm import allreduce_in, install_counting_hook
+from gradsync.sync.shm_allreduce import SHM_DIR, over_shared_memory
 
 
 def leftovers() -> set[str]:

@@ -14,11 +14,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import amp_cases
 import dist_cases
 from dist_cases import TARGETS
-from gradsync import checkpoint
 from gradsync.components import build
-from gradsync.config import ConfigError, validate
-from gradsync.policies import AccumulateSync, AmpAwareSync
-from gradsync.precision import autocast_runs
+from gradsync.config.validate import ConfigError, validate
+from gradsync.sync.policies import AccumulateSync, AmpAwareSync
+from gradsync.train import checkpoint
+from gradsync.train.precision import autocast_runs
 from test_config import compose_plain
 from test_ddp_sync import synthetic_cfg
 

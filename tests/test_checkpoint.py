@@ -18,15 +18,15 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from configs import plain_cfg
-from gradsync import checkpoint
-from gradsync.checkpoint import ResumeError, resolve_resume
-from gradsync.config import ConfigError, validate
-from gradsync.data import epoch_batches, train_loader
-from gradsync.faults import StopAgreement, StopFlag
-from gradsync.loop import require_finite_parameters
-from gradsync.metrics import keep_rows_through
-from gradsync.repro import config_hash, derive_seed, git_state, write_run_info
-from gradsync.trainstate import rng_state, set_rng_state
+from gradsync.config.validate import ConfigError, validate
+from gradsync.data.bundle import epoch_batches, train_loader
+from gradsync.run.faults import StopAgreement, StopFlag
+from gradsync.train import checkpoint
+from gradsync.train.checkpoint import ResumeError, resolve_resume
+from gradsync.train.loop import require_finite_parameters
+from gradsync.train.metrics import keep_rows_through
+from gradsync.train.repro import config_hash, derive_seed, git_state, write_run_info
+from gradsync.train.state import rng_state, set_rng_state
 
 CPU = torch.device("cpu")
 
@@ -131,7 +131,7 @@ def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(
     code = """if True:
         import errno, sys, torch
         from pathlib import Path
-        from gradsync import checkpoint, metrics
+        from gradsync.train import checkpoint, metrics
         d = Path(sys.argv[1])
         for write in (lambda: metrics.write_json_atomic(d / "s.json", list(range(500))),
                       lambda: metrics.keep_rows_through(d / "m.jsonl", 80),

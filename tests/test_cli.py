@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def train(run_dir, *args, env):
     return subprocess.run(
-        [sys.executable, "-m", "gradsync.train", f"hydra.run.dir={run_dir}",
+        [sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
          "trainer.progress_bar=false", *args],
         capture_output=True, text=True, env=env, timeout=300)
 

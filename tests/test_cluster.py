@@ -24,12 +24,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import cli_environ
-from gradsync.launch import adopt_submitit_ranks
-from gradsync.ranks import job_rank
-from gradsync.train import CONF_DIR
+from gradsync.run.launch import adopt_submitit_ranks
+from gradsync.run.main import CONF_DIR
+from gradsync.run.ranks import job_rank
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-TRAIN = ["-m", "gradsync.train"]
+TRAIN = ["-m", "gradsync.run.main"]
 JOB = ["data=synthetic", "data.num_samples=256", "trainer.max_steps=4",
        "trainer.progress_bar=false", "trainer.threads_per_worker=1"]
 SWEEP = ["--multirun", "seed=0,1"]

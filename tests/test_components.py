@@ -18,9 +18,9 @@ import dist_cases
 from components_for_tests import NeverSync
 from configs import plain_cfg
 from conftest import REPO
-from gradsync import checkpoint
-from gradsync.config import validate
-from gradsync.policies import Policy
+from gradsync.config.validate import validate
+from gradsync.sync.policies import Policy
+from gradsync.train import checkpoint
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
@@ -134,7 +134,7 @@ def test_the_installed_package_runs_the_default_experiment_from_any_directory(tm
     where = tmp_path / "elsewhere"
     where.mkdir()
     probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import gradsync.train as t; print(t.CONF_DIR)"],
+                            "import gradsync.run.main as t; print(t.CONF_DIR)"],
                            cwd=where, env=env, capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == str(site / "gradsync" / "conf"), probe.stderr
     done = cli(["trainer.max_steps=3", "trainer.progress_bar=false", "hydra.run.dir=run"], where,

@@ -13,11 +13,11 @@ import yaml
 from torch.utils.data import default_collate
 
 from gradsync.components import build, locate, parameters
-from gradsync.config import RUNTIME, ConfigError, register_configs, validate
-from gradsync.precision import DTYPES, Precision
-from gradsync.schedules import build_schedule
-from gradsync.settings import RunConfig
-from gradsync.train import CONF_DIR, compose_plain
+from gradsync.config.schema import RunConfig
+from gradsync.config.validate import RUNTIME, ConfigError, register_configs, validate
+from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.train.precision import DTYPES, Precision
+from gradsync.train.schedules import build_schedule
 
 register_configs()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
@@ -90,7 +90,7 @@ def test_a_gradsync_components_yaml_states_its_own_signature_defaults(group, opt
 
 
 def test_schema_group_yamls_state_only_what_differs_from_the_schema():
-    from gradsync.config import SCHEMA_GROUPS
+    from gradsync.config.validate import SCHEMA_GROUPS
 
     for group, schemas in SCHEMA_GROUPS.items():
         for option, schema in schemas.items():
@@ -106,7 +106,7 @@ def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
     assert (cfg["data"]["_target_"], cfg["model"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.data.digits", "gradsync.models.MLP", 2)
     assert (cfg["sync"]["_target_"], cfg["schedule"]["accum_steps"],
-            cfg["precision"]["name"]) == ("gradsync.policies.AccumulateSync", 4, "fp32")
+            cfg["precision"]["name"]) == ("gradsync.sync.policies.AccumulateSync", 4, "fp32")
 
 
 def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
@@ -147,7 +147,7 @@ REFUSED = [
     (["+model.d_model=64"], "model.d_model: unknown key for gradsync.models.MLP; accepted "
      "keys: activation, dropout, hidden_sizes"),
     (["+sync.comm_dtype=fp16"], "sync.comm_dtype: unknown key for "
-     "gradsync.policies.AccumulateSync; accepted keys: compression, groups, powersgd_rank"),
+     "gradsync.sync.policies.AccumulateSync; accepted keys: compression, groups, powersgd_rank"),
     (["+sync.uses_scaler=true"], "sync.uses_scaler: set by gradsync at run time"),
     (["schedule=constant", "+schedule.global_batch_size=64"],
      "schedule.global_batch_size: unknown key; allowed keys: accum_steps, name"),
@@ -196,7 +196,7 @@ BAD = [
     (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: allreduce, backend"),
     (["+bogus=1"], "bogus: unknown key; allowed keys: data, loss, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
-    (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.policies.AccumulateSync; "
+    (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
     (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
@@ -209,7 +209,7 @@ BAD = [
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, expected, tmp_path, cli_env):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.train", *args, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "gradsync.run.main", *args, f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env=cli_env, timeout=120, cwd=Path(__file__).parent)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

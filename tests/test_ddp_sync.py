@@ -7,10 +7,10 @@ import torch
 
 import dist_cases
 from configs import plain_cfg
-from gradsync.data import mse_per_sample
+from gradsync.config.schema import RunConfig
+from gradsync.data.bundle import mse_per_sample
 from gradsync.models import MLP
-from gradsync.settings import RunConfig
-from gradsync.worker import run_training
+from gradsync.run.worker import run_training
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -78,7 +78,7 @@ def reference_run(single_process_group, tmp_path_factory):
     cfg = synthetic_cfg(1, 32, 1)
     out = tmp_path_factory.mktemp("ref")
     summary = run_training(RunConfig.from_plain(cfg), out)
-    from gradsync import checkpoint
+    from gradsync.train import checkpoint
 
     return summary, checkpoint.load(out / "checkpoints" / "last.pt")["model"]
 

@@ -1,4 +1,4 @@
-"""Faults through the real command line (python -m gradsync.train, real signals, real kills):
+"""Faults through the real command line (python -m gradsync.run.main, real signals, real kills):
 a job killed with SIGKILL, stopped by SIGTERM or a Ctrl-C, then resumed, ends bit for bit where
 an uninterrupted run ends; a failing worker ends the job quickly, naming its rank, and leaves no
 process behind; an incompatible resume is refused without touching the run."""
@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
-from gradsync import checkpoint, faults, launch
+from gradsync.run import faults, launch
+from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -45,7 +46,7 @@ class Job:
     process it started recorded while it runs."""
 
     def __init__(self, run_dir: Path, *args: str, env: dict,
-                 launcher: tuple[str, ...] = ("-m", "gradsync.train"), preexec_fn=None):
+                 launcher: tuple[str, ...] = ("-m", "gradsync.run.main"), preexec_fn=None):
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
             [sys.executable, *launcher, f"hydra.run.dir={run_dir}", *ARGS, *args],
@@ -212,7 +213,7 @@ PLANTING_LAUNCHER = """if True:
             threading.Thread(target=plant, args=(tf.name,), daemon=True).start()
         return tf
     tempfile.NamedTemporaryFile = spied
-    runpy.run_module("gradsync.train", run_name="__main__")
+    runpy.run_module("gradsync.run.main", run_name="__main__")
 """
 
 
@@ -253,7 +254,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     args = {"raises": ["trainer.fail_at_step=12"], "killed": [],
             "hung": ["trainer.timeout_s=10"]}[how]
     launcher = ("-c", PLANTING_LAUNCHER, str(marker)) if how == "killed" else ("-m",
-                                                                              "gradsync.train")
+                                                                              "gradsync.run.main")
     job = Job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
     job.wait_for_step(4)
     if how == "raises":  # the store listens on loopback only; what a stranger writes is ignored

@@ -58,7 +58,7 @@ def tensors(tree) -> list[torch.Tensor]:
 def test_a_gpu_run_checkpoints_cpu_tensors_and_each_rank_its_own_rng(tmp_path, cli_env):
     n = min(2, torch.cuda.device_count())
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY,
+    done = subprocess.run([sys.executable, "-m", "gradsync.run.main", *TINY,
                            f"trainer.devices={n}", "model.dropout=0.1",
                            "trainer.deterministic=true", f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, env=cli_env, timeout=300)
@@ -77,7 +77,7 @@ def test_a_gpu_run_checkpoints_cpu_tensors_and_each_rank_its_own_rng(tmp_path, c
 
 def test_more_ranks_than_gpus_is_a_one_line_config_error(tmp_path, cli_env):
     n = torch.cuda.device_count()
-    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY,
+    done = subprocess.run([sys.executable, "-m", "gradsync.run.main", *TINY,
                            f"trainer.devices={n + 1}", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, env=cli_env, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -92,7 +92,7 @@ def test_more_ranks_than_gpus_is_a_one_line_config_error(tmp_path, cli_env):
 
 
 def test_bf16_is_refused_exactly_where_the_gpu_emulates_it(tmp_path, cli_env):
-    done = subprocess.run([sys.executable, "-m", "gradsync.train", *TINY, "trainer.devices=1",
+    done = subprocess.run([sys.executable, "-m", "gradsync.run.main", *TINY, "trainer.devices=1",
                            "precision=bf16", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, env=cli_env, timeout=300)
     if native_bf16():

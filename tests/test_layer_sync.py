@@ -15,9 +15,9 @@ import torch
 import layer_sync_cases
 from cli_jobs import kill_9_when, start_job
 from configs import SAME, losses, plain_cfg
-from gradsync import checkpoint
-from gradsync.config import ConfigError, validate
-from gradsync.train import compose_plain
+from gradsync.config.validate import ConfigError, validate
+from gradsync.run.main import compose_plain
+from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.dist]
 
@@ -212,7 +212,7 @@ def test_bad_rules_are_one_line_config_errors(overrides, message):
 
 def test_inspect_params_prints_every_parameter_and_its_rule_without_a_run(
         tmp_path, monkeypatch, capsys):
-    from gradsync import train
+    from gradsync.run import main as train
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["gradsync-train", *RUN, "sync=amp_aware",
@@ -233,7 +233,7 @@ def test_inspect_params_prints_every_parameter_and_its_rule_without_a_run(
 
 
 def test_the_sweep_summary_shows_each_jobs_bytes_and_loss_against_the_first():
-    from gradsync.sweep import _against_first
+    from gradsync.run.sweep import _against_first
 
     def row(job, nbytes, loss, status="completed"):
         return {"job": job, "overrides": f"v={job}", "status": status,

@@ -16,16 +16,16 @@ from hydra import compose, initialize_config_dir
 
 import dist_cases
 from configs import plain_cfg
-from gradsync import checkpoint
 from gradsync.components import build
-from gradsync.config import ConfigError, validate
-from gradsync.data import IGNORE_INDEX, evaluate, pad_batch, token_loss_per_sample
+from gradsync.config.schema import RunConfig
+from gradsync.config.validate import ConfigError, validate
+from gradsync.data.bundle import IGNORE_INDEX, evaluate, pad_batch, token_loss_per_sample
 from gradsync.models import Transformer
-from gradsync.normalize import resolve
-from gradsync.schedules import build_schedule
-from gradsync.settings import RunConfig
-from gradsync.train import CONF_DIR
-from gradsync.worker import run_training
+from gradsync.run.main import CONF_DIR
+from gradsync.run.worker import run_training
+from gradsync.train import checkpoint
+from gradsync.train.normalize import resolve
+from gradsync.train.schedules import build_schedule
 from test_config import compose_plain
 from test_ddp_sync import run_overrides
 
@@ -259,7 +259,7 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
     cfg["optimizer"] = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.01,
                         "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
     cfg["trainer"]["max_steps"] = 60
-    cfg["lr_scheduler"] = {"_target_": "gradsync.lr_schedulers.warmup_cosine",
+    cfg["lr_scheduler"] = {"_target_": "gradsync.train.lr_schedulers.warmup_cosine",
                            "warmup_steps": 5, "min_lr_ratio": 0.1}
     ev = run_training(RunConfig.from_plain(cfg), tmp_path)["eval"]
     bigram = bigram_accuracy(build_data(cfg["data"], cfg["seed"]))
@@ -324,7 +324,7 @@ def test_the_transformer_on_sample_data_is_refused():
 def test_lm_accum_sweep_runs_as_a_single_run(tmp_path, cli_env):
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.train", "experiment=lm_accum_sweep",
+        [sys.executable, "-m", "gradsync.run.main", "experiment=lm_accum_sweep",
          f"hydra.run.dir={run}", "trainer.progress_bar=false", "trainer.max_steps=3",
          "data.num_samples=256", "data.eval_samples=32"],
         capture_output=True, text=True, env=cli_env, timeout=300)

@@ -14,8 +14,8 @@ import torch
 import dist_cases
 import local_sgd_cases
 from configs import plain_cfg
-from gradsync.config import ConfigError, validate
-from gradsync.train import compose_plain
+from gradsync.config.validate import ConfigError, validate
+from gradsync.run.main import compose_plain
 
 pytestmark = [pytest.mark.dist]
 
@@ -164,12 +164,12 @@ BAD = [
     (["sync=diloco", "sync.every=-2"], "sync.every=-2 is not allowed"),
     (["sync=local_sgd", "sync.warmup_steps=-1"], "sync.warmup_steps=-1 is not allowed"),
     (["sync=local_sgd", "+sync.compression=powersgd"],
-     "sync.compression: unknown key for gradsync.local_sgd.LocalSGD; accepted keys: comm_dtype, "
-     "every, warmup_steps"),
+     "sync.compression: unknown key for gradsync.sync.local_sgd.LocalSGD; accepted keys: "
+     "comm_dtype, every, warmup_steps"),
     (["sync=diloco", "+sync.powersgd_rank=2"], "sync.powersgd_rank: unknown key for "
-     "gradsync.local_sgd.DiLoCo"),
+     "gradsync.sync.local_sgd.DiLoCo"),
     (["sync=local_sgd", "+sync.overflow_consensus=true"],
-     "sync.overflow_consensus: unknown key for gradsync.local_sgd.LocalSGD"),
+     "sync.overflow_consensus: unknown key for gradsync.sync.local_sgd.LocalSGD"),
     (["sync=local_sgd", "sync.comm_dtype=fp16"], "sync.comm_dtype='fp16' is not allowed: one "
      "of fp32, bf16"),
     (["sync=diloco", "sync.outer_momentum=0"], "sync.outer_nesterov=true needs "
@@ -196,7 +196,7 @@ RESUME = [*RUN, "optimizer=adamw", "optimizer.lr=0.01", "model.dropout=0.1", "pr
 def test_resuming_between_two_averagings_ends_bitwise_like_the_uninterrupted_run(pool2,
                                                                                   tmp_path):
     from configs import SAME, losses
-    from gradsync import checkpoint
+    from gradsync.train import checkpoint
 
     ref0, ref1 = pool2.run(local_sgd_cases.recorded_run, plain_cfg(RESUME),
                            str(tmp_path / "ref"), 1, 2)
@@ -230,7 +230,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
     where the uninterrupted run ends."""
     from cli_jobs import kill_9_when, start_job
     from configs import SAME, losses
-    from gradsync import checkpoint
+    from gradsync.train import checkpoint
 
     args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=10", "trainer.log_every=1000",
             "trainer.checkpoint_every=3", "trainer.keep_checkpoints=50", "seed=3"]
@@ -259,7 +259,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
 def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():
     """OuterSGD (fused torch SGD) against the update written out: buf = m * buf + d,
     global -= lr * (d + m * buf), from zero momentum, over three rounds."""
-    from gradsync.local_sgd import OuterSGD
+    from gradsync.sync.local_sgd import OuterSGD
 
     gen = torch.Generator().manual_seed(0)
     globals_ = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]

@@ -10,8 +10,8 @@ import pytest
 
 from configs import plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config import ConfigError, validate
-from gradsync.train import compose_plain
+from gradsync.config.validate import ConfigError, validate
+from gradsync.run.main import compose_plain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

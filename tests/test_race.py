@@ -15,10 +15,11 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from gradsync import corpus, sweep
 from gradsync.components import ConfigError, describe
-from gradsync.config import register_configs, to_plain, validate
-from gradsync.train import CONF_DIR
+from gradsync.config.validate import register_configs, to_plain, validate
+from gradsync.data import corpus
+from gradsync.run import sweep
+from gradsync.run.main import CONF_DIR
 
 register_configs()
 
@@ -39,7 +40,7 @@ def test_stdlib_corpus_is_deterministic_and_splits_by_file_without_overlap():
     assert c.sha256 != a.sha256
     both = set(c.text) & set(a.text)
     assert both and all((f in c.eval_files) == (f in a.eval_files) for f in both)
-    info = describe({"_target_": "gradsync.corpus.stdlib_text", "micro_batch_size": 8,
+    info = describe({"_target_": "gradsync.data.corpus.stdlib_text", "micro_batch_size": 8,
                      "max_bytes": 300_000, "eval_fraction": 0.2}, extra=("micro_batch_size",))
     assert info == {"root": str(corpus.stdlib_root()), "sha256": a.sha256,
                     "bytes": a.train_bytes + a.eval_bytes, "train_bytes": a.train_bytes,
@@ -165,7 +166,7 @@ def test_default_target_is_the_worst_final_eval_loss_and_every_completed_job_rea
 
 
 def test_a_job_that_never_reaches_the_target_gets_empty_cells(hand_sweep, cli_env):
-    proc = subprocess.run([sys.executable, "-m", "gradsync.sweep", str(hand_sweep), "2.85"],
+    proc = subprocess.run([sys.executable, "-m", "gradsync.run.sweep", str(hand_sweep), "2.85"],
                           capture_output=True, text=True, env=cli_env, timeout=120)
     assert proc.returncode == 1, proc.stderr  # job 3 failed
     cells = to_target_cells(hand_sweep)
@@ -219,7 +220,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],
                      plain["data"]["micro_batch_size"], plain["schedule"]["accum_steps"],
                      plain["seed"], plain["optimizer"]["lr"]))
-    assert budgets == {("gradsync.corpus.stdlib_text", "gradsync.models.Transformer", 2, 2, 8,
+    assert budgets == {("gradsync.data.corpus.stdlib_text", "gradsync.models.Transformer", 2, 2, 8,
                         4, 0, 0.005)}
     assert targets["always"] == "AlwaysSync" and targets["amp_aware_bf16"] == "AmpAwareSync"
     assert targets["accumulate"] == targets["powersgd"] == "AccumulateSync"
@@ -236,7 +237,7 @@ def test_a_race_job_records_the_corpus_and_its_bytes_and_seconds_per_row(tmp_pat
         (root / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n\n" * 40)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.train", "experiment=policy_race",
+        [sys.executable, "-m", "gradsync.run.main", "experiment=policy_race",
          "+experiment/race=always", f"data.root={root}", "data.eval_fraction=0.3",
          "trainer.max_steps=3", "trainer.eval_every=2", "trainer.log_every=1",
          "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"],

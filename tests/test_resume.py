@@ -13,7 +13,7 @@ import torch
 
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
-from gradsync import checkpoint
+from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -14,9 +14,9 @@ import torch
 import shm_cases
 from configs import losses, plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config import ConfigError, validate
-from gradsync.shm_allreduce import SHM_DIR
-from gradsync.train import compose_plain
+from gradsync.config.validate import ConfigError, validate
+from gradsync.run.main import compose_plain
+from gradsync.sync.shm_allreduce import SHM_DIR
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -21,9 +21,10 @@ import torch
 
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
-from gradsync import checkpoint, slurm
-from gradsync.devices import DeviceError, check_capability, cpu_threads, cuda_index, to_cpu
-from gradsync.train import _stopped
+from gradsync.run import slurm
+from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index, to_cpu
+from gradsync.run.main import _stopped
+from gradsync.train import checkpoint
 
 
 @pytest.mark.parametrize("hostlist, hosts", [
@@ -220,7 +221,7 @@ def test_sigusr1_under_slurm_checkpoints_requeues_and_the_same_command_continues
     started again (what a requeued job runs) resumes from outputs/runs/slurm-<id> by itself."""
     bin_dir, record = fake_scontrol(tmp_path)
     env = cli_env | {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{cli_env['PATH']}"}
-    cmd = [sys.executable, "-m", "gradsync.train", *ARGS]
+    cmd = [sys.executable, "-m", "gradsync.run.main", *ARGS]
     run_dir = tmp_path / "outputs" / "runs" / "slurm-4242"
     job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)

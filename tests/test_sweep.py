@@ -17,12 +17,12 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from gradsync import sweep
-from gradsync.config import register_configs, to_plain, validate
-from gradsync.metrics import final_metrics, flat_hparams
-from gradsync.schedules import build_schedule
-from gradsync.settings import RunConfig
-from gradsync.train import CONF_DIR
+from gradsync.config.schema import RunConfig
+from gradsync.config.validate import register_configs, to_plain, validate
+from gradsync.run import sweep
+from gradsync.run.main import CONF_DIR
+from gradsync.train.metrics import final_metrics, flat_hparams
+from gradsync.train.schedules import build_schedule
 
 register_configs()
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -30,7 +30,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def multirun(sweep_dir: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gradsync.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+        [sys.executable, "-m", "gradsync.run.main", "-m", f"hydra.sweep.dir={sweep_dir}",
          "trainer.progress_bar=false", *args],
         capture_output=True, text=True, env=env, timeout=600)
 
@@ -54,9 +54,9 @@ def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
     cfg = compose_with_hydra(["experiment=accum_sweep"])
     assert dict(cfg.hydra.sweeper.params) == {"schedule.accum_steps": "1,2,4,8"}
     assert cfg.schedule.name == "constant"
-    assert cfg.sync._target_ == "gradsync.policies.AccumulateSync"
+    assert cfg.sync._target_ == "gradsync.sync.policies.AccumulateSync"
     assert cfg.data._target_ == "gradsync.data.digits"  # the default data, as make sweep promises
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.train.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.run.main.SweepSummary"
 
 
 def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
@@ -180,7 +180,7 @@ def test_summary_of_a_sweep_dir_can_be_written_by_hand(accum_sweep, tmp_path, cl
     shutil.copytree(sweep_dir, copy)
     for name in ("sweep_summary.csv", "sweep_summary.md", "sweep.png"):
         (copy / name).unlink()
-    proc = subprocess.run([sys.executable, "-m", "gradsync.sweep", str(copy)],
+    proc = subprocess.run([sys.executable, "-m", "gradsync.run.sweep", str(copy)],
                           capture_output=True, text=True, env=cli_env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (copy / "sweep_summary.md").read_text() == \

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from gradsync.data import cross_entropy_per_sample, mse_per_sample, train_loader
-from gradsync.lr_schedulers import WarmupCosine, warmup_cosine
-from gradsync.policies import AccumulateSync, AlwaysSync
-from gradsync.schedules import (
+from gradsync.config.schema import GlobalBatchScheduleConfig
+from gradsync.data.bundle import cross_entropy_per_sample, mse_per_sample, train_loader
+from gradsync.sync.policies import AccumulateSync, AlwaysSync
+from gradsync.train.lr_schedulers import WarmupCosine, warmup_cosine
+from gradsync.train.schedules import (
     EpochwiseSchedule,
     Shard,
     Window,
@@ -19,7 +20,6 @@ from gradsync.schedules import (
     plan_epoch,
     total_optimizer_steps,
 )
-from gradsync.settings import GlobalBatchScheduleConfig
 
 
 def test_plan_epoch_counts_short_last_micro_batch_and_partial_window():

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from gradsync.settings import PrecisionConfig
+from gradsync.config.schema import PrecisionConfig
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

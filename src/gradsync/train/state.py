@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.devices import to_cpu
-from gradsync.loop import Parts, Progress
-from gradsync.ranks import is_rank0
-from gradsync.repro import config_hash
+from gradsync.run.devices import to_cpu
+from gradsync.run.ranks import is_rank0
+from gradsync.train.loop import Parts, Progress
+from gradsync.train.repro import config_hash
 
 
 def components(p: Parts) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradsync.metrics import write_json_atomic
+from gradsync.train.metrics import write_json_atomic
 
 
 def derive_seed(*parts: int) -> int:

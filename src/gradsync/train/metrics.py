@@ -9,7 +9,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from gradsync.files import replacing
+from gradsync.train.files import replacing
 
 
 def peak_rss_mb() -> float:

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from gradsync.schedules import Window
+from gradsync.train.schedules import Window
 
 CHOICES = ("auto", "tokens", "samples", "micro_batch_mean")
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.averaging import average_
-from gradsync.comm import CommCounts, InnerHook, Traffic, allreduce_in
 from gradsync.components import CheckContext, ConfigError, build, require
-from gradsync.precision import DTYPES
+from gradsync.sync.averaging import average_
+from gradsync.sync.comm import CommCounts, InnerHook, Traffic, allreduce_in
+from gradsync.train.precision import DTYPES
 
 REST = "rest"  # the parameters no rule matches
 # sync.groups as a policy receives it (a list from the config; the signature's default is ())

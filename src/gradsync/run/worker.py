@@ -17,30 +17,42 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync import checkpoint, trainstate
-from gradsync.averaging import float_state
-from gradsync.comm import CommCounts, install_counting_hook
 from gradsync.components import build
-from gradsync.data import DataBundle, evaluate, train_loader
-from gradsync.devices import cpu_threads, device_name, local_placement, peak_memory_mb, rank_device
-from gradsync.faults import (
+from gradsync.config.schema import RunConfig
+from gradsync.data.bundle import DataBundle, evaluate, train_loader
+from gradsync.run.devices import (
+    cpu_threads,
+    device_name,
+    local_placement,
+    peak_memory_mb,
+    rank_device,
+)
+from gradsync.run.faults import (
     PROCESS_FLAG,
     StopAgreement,
     inject_failure,
     report_failure,
     signal_name,
 )
-from gradsync.loop import LoopSettings, Parts, Progress, train
-from gradsync.metrics import RunLog, peak_rss_mb
-from gradsync.normalize import build_normalizer
-from gradsync.policies import Policy
-from gradsync.precision import build_precision
-from gradsync.ranks import is_rank0
-from gradsync.repro import prepare_cuda_determinism, seed_everything, seed_rank, set_deterministic
-from gradsync.schedules import build_schedule, total_optimizer_steps
-from gradsync.settings import RunConfig
-from gradsync.shm_allreduce import over_shared_memory, shm_hook
-from gradsync.slurm import watched_signals
+from gradsync.run.ranks import is_rank0
+from gradsync.run.slurm import watched_signals
+from gradsync.sync.averaging import float_state
+from gradsync.sync.comm import CommCounts, install_counting_hook
+from gradsync.sync.policies import Policy
+from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
+from gradsync.train import checkpoint
+from gradsync.train import state as trainstate
+from gradsync.train.loop import LoopSettings, Parts, Progress, train
+from gradsync.train.metrics import RunLog, peak_rss_mb
+from gradsync.train.normalize import build_normalizer
+from gradsync.train.precision import build_precision
+from gradsync.train.repro import (
+    prepare_cuda_determinism,
+    seed_everything,
+    seed_rank,
+    set_deterministic,
+)
+from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")
 

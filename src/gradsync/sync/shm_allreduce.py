@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.comm import InnerHook
-from gradsync.faults import process_stat
+from gradsync.run.faults import process_stat
+from gradsync.sync.comm import InnerHook
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 ALIGN = 64  # bytes: every bucket's region starts on a cache line

@@ -18,9 +18,9 @@ from typing import IO, Any, cast
 
 import torch
 
-from gradsync.files import replacing
-from gradsync.metrics import write_json_atomic
-from gradsync.repro import config_hash
+from gradsync.train.files import replacing
+from gradsync.train.metrics import write_json_atomic
+from gradsync.train.repro import config_hash
 
 CKPT_DIR = "checkpoints"
 

@@ -28,16 +28,16 @@ from gradsync.components import (
     parameters,
     require,
 )
-from gradsync.layer_sync import model_parameters
-from gradsync.normalize import CHOICES as NORMALIZE_CHOICES
-from gradsync.precision import DTYPES, autocast_runs
-from gradsync.settings import (
+from gradsync.config.schema import (
     SCHEDULES,
     LossConfig,
     PrecisionConfig,
     RunConfig,
     TrainerConfig,
 )
+from gradsync.sync.layer_sync import model_parameters
+from gradsync.train.normalize import CHOICES as NORMALIZE_CHOICES
+from gradsync.train.precision import DTYPES, autocast_runs
 
 __all__ = ["ConfigError", "RunConfig", "register_configs", "to_plain", "validate"]
 

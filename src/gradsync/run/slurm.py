@@ -24,7 +24,7 @@ import re
 import signal
 import subprocess
 
-from gradsync.faults import STOP_SIGNALS
+from gradsync.run.faults import STOP_SIGNALS
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 

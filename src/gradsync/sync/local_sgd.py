@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from gradsync.averaging import Anchor, plain_average
-from gradsync.comm import CommCounts
 from gradsync.components import CheckContext, ConfigError, checks, require
-from gradsync.precision import DTYPES
-from gradsync.shm_allreduce import SharedSlots
+from gradsync.sync.averaging import Anchor, plain_average
+from gradsync.sync.comm import CommCounts
+from gradsync.sync.shm_allreduce import SharedSlots
+from gradsync.train.precision import DTYPES
 
 COMM_DTYPES = ("fp32", "bf16")
 

@@ -21,12 +21,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from gradsync.comm import CommCounts, InnerHook, allreduce_in
 from gradsync.components import CheckContext, ConfigError, checks, require
-from gradsync.layer_sync import LayerSync, Rules, check_groups
-from gradsync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
-from gradsync.precision import DTYPES
-from gradsync.shm_allreduce import SharedSlots
+from gradsync.sync.comm import CommCounts, InnerHook, allreduce_in
+from gradsync.sync.layer_sync import LayerSync, Rules, check_groups
+from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
+from gradsync.sync.shm_allreduce import SharedSlots
+from gradsync.train.precision import DTYPES
 
 
 @dataclass

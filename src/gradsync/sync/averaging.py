@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from gradsync.comm import CommCounts
-from gradsync.shm_allreduce import SharedSlots, mean_through_slots
+from gradsync.sync.comm import CommCounts
+from gradsync.sync.shm_allreduce import SharedSlots, mean_through_slots
 
 
 def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from gradsync.settings import ConstantScheduleConfig, EpochwiseScheduleConfig, ScheduleConfig
+from gradsync.config.schema import ConstantScheduleConfig, EpochwiseScheduleConfig, ScheduleConfig
 
 
 class ConstantSchedule:

@@ -31,7 +31,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync.faults import (
+from gradsync.config.schema import RunConfig
+from gradsync.run.faults import (
     exit_now,
     process_stat,
     read_report,
@@ -39,9 +40,8 @@ from gradsync.faults import (
     report_to,
     signal_name,
 )
-from gradsync.settings import RunConfig
-from gradsync.slurm import PREEMPT_SIGNALS, watched_signals
-from gradsync.worker import pick_backend, worker_main
+from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
+from gradsync.run.worker import pick_backend, worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
 

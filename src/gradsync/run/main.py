@@ -23,10 +23,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gradsync import slurm, sweep
-from gradsync.checkpoint import ResumeError, resolve_resume
 from gradsync.components import cwd_importable, describe
-from gradsync.config import (
+from gradsync.config.schema import RunConfig
+from gradsync.config.validate import (
     EXTRA,
     RUNTIME,
     ConfigError,
@@ -37,9 +36,10 @@ from gradsync.config import (
     to_plain,
     validate,
 )
-from gradsync.devices import DeviceError, check_cuda
-from gradsync.faults import exit_now, signal_name
-from gradsync.launch import (
+from gradsync.run import slurm, sweep
+from gradsync.run.devices import DeviceError, check_cuda
+from gradsync.run.faults import exit_now, signal_name
+from gradsync.run.launch import (
     Interrupted,
     WorkerFailed,
     adopt_submitit_ranks,
@@ -47,12 +47,12 @@ from gradsync.launch import (
     rank0_now,
     under_torchrun,
 )
-from gradsync.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
-from gradsync.ranks import is_rank0, job_rank
-from gradsync.repro import run_info, write_run_info
-from gradsync.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
-from gradsync.settings import RunConfig
-from gradsync.worker import pick_backend
+from gradsync.run.ranks import is_rank0, job_rank
+from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
+from gradsync.run.worker import pick_backend
+from gradsync.train.checkpoint import ResumeError, resolve_resume
+from gradsync.train.metrics import final_metrics, flat_hparams, write_hparams, write_json_atomic
+from gradsync.train.repro import run_info, write_run_info
 
 register_configs()
 # Under torchrun and submitit every rank runs this app: conf/config.yaml names the run dir with
@@ -71,10 +71,10 @@ OmegaConf.register_new_resolver("hydra_staging", staging_name, replace=True)
 def conf_dir() -> str:
     """The configs: the repo's top-level conf/ when running from a source checkout (an editable
     install: people read and edit them there), else the copy shipped inside the package."""
-    repo_conf = Path(__file__).resolve().parents[2] / "conf"
+    repo_conf = Path(__file__).resolve().parents[3] / "conf"
     if (repo_conf / "config.yaml").is_file():
         return str(repo_conf)
-    return str(Path(__file__).resolve().parent / "conf")
+    return str(Path(__file__).resolve().parents[1] / "conf")
 
 
 CONF_DIR = conf_dir()
@@ -353,7 +353,7 @@ def inspect_params(overrides: list[str]) -> None:
     """`gradsync-train ... +inspect=params`: the model's parameters (name, shape, bytes) and the
     sync.groups rule each one falls under, from the config the same overrides compose; nothing
     is trained and no run dir is made. Exit 2 with one line for a bad config."""
-    from gradsync.layer_sync import model_parameters, parameter_table
+    from gradsync.sync.layer_sync import model_parameters, parameter_table
 
     try:
         plain = compose_plain(overrides)

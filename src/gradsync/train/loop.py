@@ -31,15 +31,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
-from gradsync.comm import CommCounts
-from gradsync.data import epoch_batches
-from gradsync.devices import peak_memory_mb
-from gradsync.faults import StopAgreement
-from gradsync.metrics import RunLog
-from gradsync.normalize import Normalizer
-from gradsync.policies import Policy, sync_context
-from gradsync.precision import Precision
-from gradsync.schedules import Shard, Window, plan_epoch
+from gradsync.data.bundle import epoch_batches
+from gradsync.run.devices import peak_memory_mb
+from gradsync.run.faults import StopAgreement
+from gradsync.sync.comm import CommCounts
+from gradsync.sync.policies import Policy, sync_context
+from gradsync.train.metrics import RunLog
+from gradsync.train.normalize import Normalizer
+from gradsync.train.precision import Precision
+from gradsync.train.schedules import Shard, Window, plan_epoch
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
 from gradsync.components import CheckContext, checks, require
-from gradsync.repro import derive_seed
+from gradsync.train.repro import derive_seed
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 

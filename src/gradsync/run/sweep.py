@@ -3,7 +3,7 @@ sweep_summary.md and sweep.png in the sweep dir.
 
 Everything comes from files (each job's .hydra/, summary.json, metrics.jsonl and evals.jsonl),
 never from in-process job results: Hydra hands its multirun-end callback none, and jobs may have
-run in other processes (joblib launcher). `python -m gradsync.sweep <sweep dir> [target loss]`
+run in other processes (joblib launcher). `python -m gradsync.run.sweep <sweep dir> [target loss]`
 writes the summary of an interrupted sweep by hand.
 
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from gradsync.metrics import final_metrics
+from gradsync.train.metrics import final_metrics
 
 # The axes a loss is read against: a Point's attribute, the label on the plot.
 AXES = {"samples": "samples seen", "bytes": "all-reduce bytes (rank 0, log)",
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
         target = math.nan
     if len(argv) not in (1, 2) or not Path(argv[0]).is_dir() or \
             (target is not None and not math.isfinite(target)):
-        print("usage: python -m gradsync.sweep <sweep dir> [target eval loss]", file=sys.stderr)
+        print("usage: python -m gradsync.run.sweep <sweep dir> [target eval loss]", file=sys.stderr)
         return 2
     result = write_summary(Path(argv[0]), target)
     print(result.markdown)
