@@ -34,7 +34,7 @@ def config(accum: int, sync: str, overrides: list[str]) -> dict:
         "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
     ]
     cfg = compose_plain(workload + overrides)
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     return cfg
 
 
@@ -48,10 +48,10 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
     with tempfile.TemporaryDirectory() as tmp:
         log = RunLog(Path(tmp), active=rank == 0)
         state = Progress()
-        p.s.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
+        p.trainer.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
         train(p, state, log)
         state.epoch, state.epoch_step = 1, 0  # then all of epoch 1, timed
-        p.s.max_steps, p.s.max_epochs = -1, 2
+        p.trainer.max_steps, p.trainer.max_epochs = -1, 2
         calls, nbytes, steps = p.counts.allreduce_calls, p.counts.allreduce_bytes, state.step
         w.start_clock()
         train(p, state, log)

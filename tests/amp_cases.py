@@ -15,6 +15,7 @@ from dist_cases import policy as make_policy
 from dist_cases import tiny_model, window_data
 from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import mse_per_sample
+from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.run.worker import build_parts
 from gradsync.sync.comm import install_counting_hook
 from gradsync.train.loop import Progress, optimizer_step, run_window, train
@@ -38,9 +39,10 @@ def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
     built = make_policy(sync_cfg["name"], uses_scaler=True, **kwargs)
     counts = install_counting_hook(ddp, built.comm_hook())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    return SimpleNamespace(ddp=ddp, optimizer=opt, lr_scheduler=LambdaLR(opt, lambda s: 1.0),
+    return SimpleNamespace(engine=TorchDDP(ddp, counts), optimizer=opt,
+                           lr_scheduler=LambdaLR(opt, lambda s: 1.0),
                            precision=precision, policy=built,
-                           s=SimpleNamespace(clip_grad_norm=0.0),
+                           trainer=SimpleNamespace(clip_grad_norm=0.0),
                            normalizer=BySamples(dist.get_world_size())), counts
 
 
@@ -51,8 +53,8 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
     computed and drawn, the scale each computed one saw, the step decision, the counters."""
     rank = dist.get_rank()
     p, counts = _fp16_parts(sync_cfg, init_scale, tiny_model())
-    ddp, precision, policy = p.ddp, p.precision, p.policy
-    initial = _params(ddp.module)
+    engine, precision, policy = p.engine, p.precision, p.policy
+    initial = _params(engine.module)
     windows = []
     for w in range(2):
         mine = window_data(10 + w, dist.get_world_size(), MICRO)[rank]
@@ -72,16 +74,16 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
             return mse_per_sample(out, y)
 
         n = sum(MICRO)
-        run_window(ddp, batches(), Window(0, len(MICRO), n, n, n * dist.get_world_size()), policy,
-                   precision, loss_fn, torch.device("cpu"), p.normalizer)
+        run_window(engine, batches(), Window(0, len(MICRO), n, n, n * dist.get_world_size()),
+                   policy, precision, loss_fn, torch.device("cpu"), p.normalizer)
         syncs_before_step = counts.sync_backwards
         stepped, _ = optimizer_step(p, want_norm=False)
         windows.append({
             "drawn": drawn, "computed": len(scales), "scales_seen": scales,
             "sync_backwards": syncs_before_step, "stepped": stepped,
             "scale_after": precision.scale, "lr_steps": p.lr_scheduler.last_epoch,
-            "grads_zeroed": all(q.grad is None or not q.grad.any() for q in ddp.parameters()),
-            "params": _params(ddp.module),
+            "grads_zeroed": all(q.grad is None or not q.grad.any() for q in engine.parameters()),
+            "params": _params(engine.module),
         })
     return {"initial": initial, "windows": windows, "overflow": vars(policy.overflow).copy(),
             "allreduce_bytes": counts.allreduce_bytes}
@@ -92,9 +94,9 @@ def train_all_ranks(cfg: dict) -> dict:
     parameters, counters, scale and LR-scheduler position."""
     p = build_parts(RunConfig.from_plain(cfg), dist.get_rank(), dist.get_world_size(),
                     torch.device("cpu"))
-    initial = _params(p.ddp.module)
+    initial = _params(p.engine.module)
     state = train(p, Progress(), RunLog(Path("."), active=False))
-    return {"initial": initial, "params": _params(p.ddp.module), "step": state.step,
+    return {"initial": initial, "params": _params(p.engine.module), "step": state.step,
             "windows": state.windows, "scale": p.precision.scale,
             "lr_steps": p.lr_scheduler.last_epoch, "overflow": vars(p.policy.overflow).copy(),
             "sync_backwards": p.counts.sync_backwards, "allreduce_bytes": p.counts.allreduce_bytes,
@@ -114,7 +116,7 @@ def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
     sync = {"name": "amp_aware", "comm_dtype": comm_dtype, "overflow_consensus": True}
     p, counts = _fp16_parts(sync, 30000.0 / biggest, model)
     initial = _params(model)
-    run_window(p.ddp, iter([(x, y)] * 4), Window(0, 4, 12, 12, 12 * dist.get_world_size()),
+    run_window(p.engine, iter([(x, y)] * 4), Window(0, 4, 12, 12, 12 * dist.get_world_size()),
                p.policy, p.precision, mse_per_sample, torch.device("cpu"), p.normalizer)
     scale_before = p.precision.scale
     stepped, _ = optimizer_step(p, want_norm=False)

@@ -26,7 +26,7 @@ SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval"
 
 def plain_cfg(overrides: list[str]) -> dict:
     cfg = compose_plain(overrides)
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     return cfg
 
 

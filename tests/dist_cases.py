@@ -12,10 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import mse_per_sample, pad_batch, token_loss_per_sample
+from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.models import MLP, Transformer
+from gradsync.run import summary as run_summary
 from gradsync.run.worker import run_training
 from gradsync.sync.comm import install_counting_hook
-from gradsync.sync.policies import Policy
+from gradsync.sync.policy import SyncPolicy, as_policy
 from gradsync.train import checkpoint
 from gradsync.train.loop import run_window
 from gradsync.train.normalize import BySamples, build_normalizer
@@ -35,9 +37,9 @@ TARGETS = {"always": "gradsync.sync.policies.AlwaysSync",
            "amp_aware": "gradsync.sync.policies.AmpAwareSync"}
 
 
-def policy(name: str, uses_scaler: bool = False, **kwargs) -> Policy:
+def policy(name: str, uses_scaler: bool = False, **kwargs) -> SyncPolicy:
     """A built-in policy, built as the worker builds it from its config node."""
-    return Policy(build({"_target_": TARGETS[name], **kwargs}, {"uses_scaler": uses_scaler}))
+    return as_policy(build({"_target_": TARGETS[name], **kwargs}, {"uses_scaler": uses_scaler}))
 
 
 def tiny_model(seed: int = 0):
@@ -68,20 +70,31 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
     window = Window(0, len(micro_sizes), sum(micro_sizes), sum(micro_sizes),
                     sum(micro_sizes) * world)
 
-    run_window(ddp, it, window, policy(policy_name), Precision("fp32", "cpu"), mse_per_sample,
-               torch.device("cpu"), BySamples(world))
+    run_window(TorchDDP(ddp), it, window, policy(policy_name), Precision("fp32", "cpu"),
+               mse_per_sample, torch.device("cpu"), BySamples(world))
     snaps.append(flat_grad())
     return {"grads": snaps, "sync_backwards": counts.sync_backwards,
             "allreduce_calls": counts.allreduce_calls, "allreduce_bytes": counts.allreduce_bytes}
 
 
 def train_run(cfg: dict, run_dir: str) -> dict:
-    """The worker's real training function on the pool's process group."""
-    summary = run_training(RunConfig.from_plain(cfg), Path(run_dir))
+    """The worker's real training function on the pool's process group, as the job process
+    runs it: `resume` resolved first (on each rank's run dir: under torchrun every node's job
+    resolves it on its own disk), rank 0's summary written to summary.json."""
+    summary = run_training(job_config(cfg, Path(run_dir)), Path(run_dir))
     params = None
     if dist.get_rank() == 0:
+        run_summary.write(Path(run_dir), summary)
         params = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
     return {"summary": summary, "params": params}
+
+
+def job_config(cfg: dict, run_dir: Path) -> RunConfig:
+    """The RunConfig a job hands its ranks: `resume` resolved to a checkpoint path, or none."""
+    run = RunConfig.from_plain(cfg)
+    path = checkpoint.resolve_resume(run.resume, run_dir, cfg, dist.get_world_size(), [])
+    run.resume = str(path) if path else "none"
+    return run
 
 
 def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] | None]:
@@ -94,7 +107,7 @@ def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] |
     build = worker.build_parts
     worker.build_parts = lambda *args, **kw: wrap(build(*args, **kw))
     try:
-        summary = worker.run_training(RunConfig.from_plain(cfg), Path(run_dir))
+        summary = worker.run_training(job_config(cfg, Path(run_dir)), Path(run_dir))
     finally:
         worker.build_parts = build
     rows = None
@@ -181,7 +194,8 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
     norm = build_normalizer(normalize, "tokens", world, torch.device("cpu"), tokens_per_sample)
     prec = Precision(precision, "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    loss = run_window(ddp, iter(mine), Window(0, len(mine), samples, samples, samples * world),
+    loss = run_window(TorchDDP(ddp), iter(mine),
+                      Window(0, len(mine), samples, samples, samples * world),
                       policy("accumulate"), prec, token_loss_per_sample, torch.device("cpu"), norm)
     prec.unscale(opt)
     norm.before_step(ddp.parameters())
@@ -201,10 +215,10 @@ def train_recording_steps(cfg: dict) -> dict:
                     torch.device("cpu"))
     steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     forwards: list[int] = []  # DDP's own forwards: training micro-batches (eval uses .module)
-    p.ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    p.engine.ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
 
     def record(optimizer, args, kwargs):
-        params = list(p.ddp.module.parameters())
+        params = list(p.engine.module.parameters())
         steps.append(([q.detach().clone() for q in params],
                       [q.grad.detach().clone() for q in params]))
 
@@ -212,4 +226,4 @@ def train_recording_steps(cfg: dict) -> dict:
     state = train(p, Progress(), RunLog(Path("."), active=False))
     return {"steps": steps, "samples_seen": state.samples_seen, "last_loss": state.last_loss,
             "eval": state.last_eval, "micro_steps": len(forwards),
-            "params": [q.detach().clone() for q in p.ddp.module.parameters()]}
+            "params": [q.detach().clone() for q in p.engine.module.parameters()]}

@@ -26,6 +26,7 @@ def hot_path(precision: str) -> dict:
     from gradsync.config.validate import validate
     from gradsync.data.bundle import epoch_batches
     from gradsync.run.main import compose_plain
+    from gradsync.run.placement import Placement
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.schedules import Shard, plan_epoch
@@ -34,14 +35,14 @@ def hot_path(precision: str) -> dict:
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
                          "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
                          "schedule.accum_steps=2", "model.dropout=0.1"])
-    validate(cfg, cuda_available=True)
+    validate(cfg, Placement("nccl", 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
-    plan = plan_epoch(shard, p.s.micro_batch_size, p.schedule.accum_steps(0))
+    plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(0))
     batches = epoch_batches(p.loader, 0)
 
     def window(k: int) -> torch.Tensor:
-        loss = run_window(p.ddp, batches, plan[k], p.policy, p.precision, p.loss, p.device,
+        loss = run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
                           p.normalizer)
         optimizer_step(p, want_norm=False)
         return loss
@@ -67,13 +68,14 @@ def powersgd_rng() -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsync.sync.comm import install_counting_hook
-    from gradsync.sync.policies import AccumulateSync, Policy
+    from gradsync.sync.policies import AccumulateSync
+    from gradsync.sync.policy import as_policy
 
     device = one_rank_nccl()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
-    policy = Policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_step=2))
+    policy = as_policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_step=2))
     install_counting_hook(ddp, policy.comm_hook())
     torch.cuda.manual_seed(123)
     unchanged = []

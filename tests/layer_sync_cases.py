@@ -24,12 +24,12 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     def recording(p):
         after_window, finish = p.policy.after_window, p.policy.finish
         if torch.distributed.get_rank() == inf_rank:
-            param = dict(p.ddp.module.named_parameters())[inf_param]
+            param = dict(p.engine.module.named_parameters())[inf_param]
             param.register_hook(lambda g: g * float("inf") if len(snaps) + 1 == inf_window
                                 else g)
 
         def params() -> dict[str, torch.Tensor]:
-            return {n: q.detach().clone() for n, q in p.ddp.module.named_parameters()}
+            return {n: q.detach().clone() for n, q in p.engine.module.named_parameters()}
 
         def after(model, windows_done):
             after_window(model, windows_done)

@@ -27,7 +27,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     shm_used = []  # True per averaging that went through the shared-memory slots
 
     def recording(p):
-        policy = p.policy.impl  # the LocalSGD / DiLoCo object the loop reaches through Policy
+        policy = p.policy  # the LocalSGD / DiLoCo policy object
         after_window, finish = policy.after_window, policy.finish
 
         def through_slots(average, *args):

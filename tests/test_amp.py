@@ -16,6 +16,7 @@ import dist_cases
 from dist_cases import TARGETS
 from gradsync.components import build
 from gradsync.config.validate import ConfigError, validate
+from gradsync.run.placement import Placement
 from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
 from gradsync.train.precision import autocast_runs
@@ -59,20 +60,19 @@ def test_the_config_check_runs_nothing_on_a_gpu():
     GPU 0 in the launcher): the GPUs' compute capability decides, in train.check_devices
     (tests/test_slurm.py: bf16 refused below 8.0; tests/test_gpu.py on a GPU)."""
     cfg = compose_plain(["precision=bf16", "sync=amp_aware"])
-    validate(cfg, cuda_available=False)
-    validate(cfg, cuda_available=True)
+    validate(cfg)
+    validate(cfg, Placement("nccl", 2))
 
 
 def test_fp16_all_reduce_needs_the_fp16_scaler():
     for prec in ("fp32", "bf16"):
         cfg = compose_plain([f"precision={prec}", "sync=amp_aware", "sync.comm_dtype=fp16"])
         with pytest.raises(ConfigError, match=r"sync.comm_dtype='fp16' needs precision=fp16"):
-            validate(cfg, cuda_available=False)
-    validate(compose_plain(["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"]),
-             cuda_available=False)
+            validate(cfg)
+    validate(compose_plain(["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"]))
     cfg = compose_plain(["precision=fp16", "precision.backoff_factor=1.0"])
     with pytest.raises(ConfigError, match=r"precision.backoff_factor=1.0 is not allowed"):
-        validate(cfg, cuda_available=False)
+        validate(cfg)
 
 
 def test_amp_aware_syncs_like_accumulate_and_checks_overflows_only_with_the_scaler():

@@ -295,10 +295,10 @@ def test_new_trainer_keys_are_validated(cfg, key, value, allowed):
     bad["trainer"][key] = value
     expected = f"trainer.{key}={value} is not allowed: {allowed}"
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        validate(bad, cuda_available=False)
+        validate(bad)
 
 
 def test_resume_must_be_none_auto_or_an_existing_path(cfg):
     bad = dict(cfg, resume="/no/such/run")
     with pytest.raises(ConfigError, match="resume='/no/such/run' is not allowed: none, auto"):
-        validate(bad, cuda_available=False)
+        validate(bad)

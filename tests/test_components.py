@@ -19,7 +19,7 @@ from components_for_tests import NeverSync
 from configs import plain_cfg
 from conftest import REPO
 from gradsync.config.validate import validate
-from gradsync.sync.policies import Policy
+from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
@@ -31,12 +31,12 @@ TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.
 def with_policy(target: str, extra: list[str] = (), **kwargs) -> dict:
     cfg = plain_cfg([*TINY, *extra])
     cfg["sync"] = {"_target_": target, **kwargs}
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     return cfg
 
 
 def test_a_policy_needs_only_should_sync():
-    p = Policy(NeverSync())
+    p = as_policy(NeverSync())
     assert p.name == "NeverSync" and not p.syncs_parameters
     assert p.comm_hook().wire_dtype is None and p.replicas_in_sync()
     assert not p.window_doomed(None, 0, 2)  # type: ignore[arg-type]

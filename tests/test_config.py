@@ -13,8 +13,9 @@ import yaml
 from torch.utils.data import default_collate
 
 from gradsync.components import build, locate, parameters
+from gradsync.config.hydra import register_configs
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import RUNTIME, ConfigError, register_configs, validate
+from gradsync.config.validate import RUNTIME, ConfigError, validate
 from gradsync.run.main import CONF_DIR, compose_plain
 from gradsync.train.precision import DTYPES, Precision
 from gradsync.train.schedules import build_schedule
@@ -47,7 +48,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     if group == "schedule" and option == "global_batch":
         overrides.append("schedule.global_batch_size=64")  # 2 ranks x micro 16 x 2
     cfg = compose_plain(overrides)
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     run = RunConfig.from_plain(cfg)
     small = {"num_samples": 64} if "num_samples" in cfg["data"] else {}
     data = build({**cfg["data"], **small}, {"seed": cfg["seed"]}, extra=("micro_batch_size",))
@@ -90,7 +91,7 @@ def test_a_gradsync_components_yaml_states_its_own_signature_defaults(group, opt
 
 
 def test_schema_group_yamls_state_only_what_differs_from_the_schema():
-    from gradsync.config.validate import SCHEMA_GROUPS
+    from gradsync.config.schema import SCHEMA_GROUPS
 
     for group, schemas in SCHEMA_GROUPS.items():
         for option, schema in schemas.items():
@@ -112,17 +113,17 @@ def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
 def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
     cfg = compose_plain(["schedule=global_batch", "schedule.global_batch_size=96",
                          "data.micro_batch_size=8", "trainer.devices=3"])
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     assert build_schedule(RunConfig.from_plain(cfg).schedule, 3, 8).accum_steps(0) == 4
     cfg["schedule"]["global_batch_size"] = 100
     with pytest.raises(ConfigError, match="schedule.global_batch_size.*3 x 8 = 24"):
-        validate(cfg, cuda_available=False)
+        validate(cfg)
 
 
 def test_nccl_without_cuda_is_refused():
     cfg = compose_plain(["trainer.backend=nccl"])
     with pytest.raises(ConfigError, match="trainer.backend"):
-        validate(cfg, cuda_available=False)
+        validate(cfg)
 
 
 # Refused by validate(), each with the one line the command line prints after "config error: ".
@@ -177,13 +178,13 @@ REFUSED = [
 @pytest.mark.parametrize("args,expected", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_bad_values_are_refused_naming_the_key(args, expected):
     with pytest.raises(ConfigError) as err:
-        validate(compose_plain(args), cuda_available=False)
+        validate(compose_plain(args))
     assert str(err.value).startswith(expected), str(err.value)
 
 
 def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
     cfg = compose_plain(["schedule=epochwise", "schedule.accum_steps_by_epoch={0:2,3:8}"])
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     assert cfg["schedule"]["accum_steps_by_epoch"] == {0: 2, 3: 8}
     sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2, 16)
     assert [sched.accum_steps(e) for e in range(5)] == [2, 2, 2, 8, 8]
@@ -236,7 +237,7 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
     params = {}
     for fused in (None, True):
         cfg = compose_plain([f"optimizer={opt}"] + (["optimizer.fused=true"] if fused else []))
-        validate(cfg, cuda_available=False)
+        validate(cfg)
         torch.manual_seed(0)
         model = MLP(8, 4, [16], "tanh")
         optim = build(cfg["optimizer"])(model.parameters())

@@ -206,7 +206,7 @@ def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_un
 def test_bad_rules_are_one_line_config_errors(overrides, message):
     cfg = compose_plain([*RUN, *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg, cuda_available=False)
+        validate(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -270,7 +270,7 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
 
 def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     cfg = compose_plain(["experiment=lm_accum_sweep"])
-    validate(cfg, cuda_available=False)
+    validate(cfg)
     assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
     assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
@@ -285,7 +285,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
         for normalize in params["loss.normalize"].split(","):
             job = compose_plain(["experiment=lm_accum_sweep", f"data.micro_batch_size={micro}",
                                  f"loss.normalize={normalize}"])
-            validate(job, cuda_available=False)
+            validate(job)
             assert job["schedule"]["global_batch_size"] == 64
             accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2,
                                      int(micro)).accum_steps(0))
@@ -310,14 +310,14 @@ BAD_LM = [
 def test_bad_lm_config_is_refused_naming_the_key(overrides, message):
     cfg = compose_plain(["experiment=lm_accum_sweep", *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg, cuda_available=False)
+        validate(cfg)
     assert str(e.value).startswith(message)
 
 
 def test_the_transformer_on_sample_data_is_refused():
     with pytest.raises(ConfigError, match=r"^model: gradsync.models.Transformer needs "
                        r"vocab_size, which data \(gradsync.data.digits\) does not provide"):
-        validate(compose_plain(["model=transformer"]), cuda_available=False)
+        validate(compose_plain(["model=transformer"]))
 
 
 @pytest.mark.slow

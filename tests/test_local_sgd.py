@@ -182,7 +182,7 @@ BAD = [
 def test_bad_options_are_one_line_config_errors(args, expected):
     cfg = compose_plain(args)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, cuda_available=False)
+        validate(cfg)
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 

@@ -16,7 +16,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from gradsync.components import ConfigError, describe
-from gradsync.config.validate import register_configs, to_plain, validate
+from gradsync.config.hydra import register_configs, to_plain
+from gradsync.config.validate import validate
 from gradsync.data import corpus
 from gradsync.run import sweep
 from gradsync.run.main import CONF_DIR
@@ -92,7 +93,7 @@ def test_bad_corpus_options_are_one_line_config_errors(tmp_path):
             ("data.max_bytes=1", "both need at least one")):
         cfg = compose_plain(["experiment=policy_race", override])
         with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as e:
-            validate(cfg, cuda_available=False)
+            validate(cfg)
         assert "\n" not in str(e.value)
 
 
@@ -214,7 +215,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
     targets = {}
     for name in swept:
         plain = compose_plain(["experiment=policy_race", f"+experiment/race={name}"])
-        validate(plain, cuda_available=False)
+        validate(plain)
         targets[name] = plain["sync"]["_target_"].rsplit(".", 1)[1]
         budgets.add((plain["data"]["_target_"], plain["model"]["_target_"],
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],

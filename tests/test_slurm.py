@@ -22,9 +22,10 @@ import torch
 import dist_cases
 from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
 from gradsync.run import slurm
-from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index, to_cpu
-from gradsync.run.main import _stopped
+from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index
+from gradsync.run.summary import stopped
 from gradsync.train import checkpoint
+from gradsync.train.state import to_cpu
 
 
 @pytest.mark.parametrize("hostlist, hosts", [
@@ -178,7 +179,7 @@ def test_a_preempted_slurm_run_requeues_once_unless_told_not_to(bare_env, tmp_pa
     bare_env.setenv("SLURM_JOB_ID", "4242")
     summary = {"stopped_by": "SIGUSR1", "optimizer_steps": 7, "checkpoint": "c.pt"}
     with pytest.raises(SystemExit) as e:
-        _stopped(tmp_path, summary, requeue)
+        stopped(tmp_path, summary, requeue)
     assert e.value.code == 128 + signal.SIGUSR1
     err = capsys.readouterr().err
     assert "stopped by SIGUSR1 after optimizer step 7; checkpoint c.pt" in err
@@ -191,7 +192,7 @@ def test_a_preempted_slurm_run_requeues_once_unless_told_not_to(bare_env, tmp_pa
     # SIGTERM keeps today's checkpoint-and-stop: no requeue
     record.unlink(missing_ok=True)
     with pytest.raises(SystemExit):
-        _stopped(tmp_path, summary | {"stopped_by": "SIGTERM"}, True)
+        stopped(tmp_path, summary | {"stopped_by": "SIGTERM"}, True)
     assert not record.exists()
 
 

@@ -17,8 +17,9 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from gradsync.config.hydra import register_configs, to_plain
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import register_configs, to_plain, validate
+from gradsync.config.validate import validate
 from gradsync.run import sweep
 from gradsync.run.main import CONF_DIR
 from gradsync.train.metrics import final_metrics, flat_hparams
@@ -56,7 +57,7 @@ def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
     assert cfg.schedule.name == "constant"
     assert cfg.sync._target_ == "gradsync.sync.policies.AccumulateSync"
     assert cfg.data._target_ == "gradsync.data.digits"  # the default data, as make sweep promises
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.run.main.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "gradsync.run.callbacks.SweepSummary"
 
 
 def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
@@ -66,7 +67,7 @@ def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
     for micro in (16, 32, 64):
         plain = to_plain(compose_with_hydra(["experiment=fixed_global_batch",
                                              f"data.micro_batch_size={micro}"], False))
-        validate(plain, cuda_available=False)
+        validate(plain)
         schedule = build_schedule(RunConfig.from_plain(plain).schedule,
                                   plain["trainer"]["devices"], micro)
         ns.append(schedule.accum_steps(0))

@@ -1,16 +1,35 @@
 """The typed run configuration every worker receives: dataclasses for the groups with a fixed
-shape (trainer, schedule, precision, loss), and ``_target_`` nodes (plain dicts: a callable's
-dotted path and its keyword arguments, see components.py) for the components a user may bring
-(model, data, sync, optimizer, lr_scheduler).
+shape (trainer, schedule, precision, loss), each with the checks of its own values, and
+``Component``s (a callable's dotted path and its keyword arguments, see components.py) for the
+parts a user may bring (model, data, sync, optimizer, lr_scheduler).
 
-No Hydra here: config.py registers these dataclasses as Hydra's schemas and turns a composed,
-validated config into a ``RunConfig``; workers, tests and the benchmark only see this module.
+No Hydra here: config/hydra.py registers these dataclasses as Hydra's schemas;
+config/validate.py turns a composed config into a checked ``RunConfig`` once, before any worker
+starts; workers, tests and the benchmark see only this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from gradsync.components import ConfigError, require
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _at_least(obj: Any, group: str, lows: dict[str, int]) -> None:
+    for key, low in lows.items():
+        value = getattr(obj, key)
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                f"{group}.{key}", f"an integer >= {low}", value)
+
+
+ENGINES = ("torch_ddp",)  # trainer.engine (gradsync/engines)
+ALLREDUCE = ("auto", "shared_memory", "process_group")
 
 
 @dataclass
@@ -21,6 +40,7 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
+    engine: str = "torch_ddp"  # the data-parallel engine (docs/architecture.md)
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
@@ -36,11 +56,37 @@ class TrainerConfig:
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
 
+    def check(self, device_type: str) -> None:
+        """device_type: where the ranks compute (the job's placement), cpu or cuda."""
+        _at_least(self, "trainer", {"devices": 1, "max_epochs": 1, "log_every": 1,
+                                    "eval_every": 0, "threads_per_worker": 0, "timeout_s": 1,
+                                    "checkpoint_every": 0, "keep_checkpoints": 1,
+                                    "num_workers": 0, "check_replicas": 0})
+        require(self.max_steps == -1 or self.max_steps >= 1, "trainer.max_steps",
+                "-1 (no limit) or an integer >= 1", self.max_steps)
+        require(self.fail_at_step == -1 or self.fail_at_step >= 1, "trainer.fail_at_step",
+                "-1 (never) or an integer >= 1", self.fail_at_step)
+        require(finite(self.clip_grad_norm) and self.clip_grad_norm >= 0,
+                "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
+        require(finite(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "trainer.bucket_cap_mb",
+                "a finite number > 0", self.bucket_cap_mb)
+        require(self.engine in ENGINES, "trainer.engine", f"one of {', '.join(ENGINES)}",
+                self.engine)
+        require(self.allreduce in ALLREDUCE, "trainer.allreduce",
+                f"one of {', '.join(ALLREDUCE)}", self.allreduce)
+        if self.allreduce == "shared_memory" and device_type == "cuda":
+            raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
+                              "CUDA nccl all-reduces: use auto or process_group")
+
 
 @dataclass
 class ConstantScheduleConfig:
     name: str = "constant"
     accum_steps: int = 1
+
+    def check(self, world_size: int, micro_batch_size: int) -> None:
+        require(self.accum_steps >= 1, "schedule.accum_steps", "an integer >= 1",
+                self.accum_steps)
 
 
 @dataclass
@@ -48,8 +94,20 @@ class EpochwiseScheduleConfig:
     """Like Lightning's GradientAccumulationScheduler: {first_epoch: accum_steps}."""
 
     name: str = "epochwise"
-    # dict[int, int]; typed Any so that an override can replace the mapping (train.py)
+    # dict[int, int]; typed Any so that an override can replace the mapping (config/hydra.py)
     accum_steps_by_epoch: Any = field(default_factory=lambda: {0: 1})
+
+    def check(self, world_size: int, micro_batch_size: int) -> None:
+        by_epoch = self.accum_steps_by_epoch
+        require(isinstance(by_epoch, dict) and all(
+            isinstance(e, int) and isinstance(n, int) for e, n in by_epoch.items()),
+            "schedule.accum_steps_by_epoch", "a mapping {first_epoch: accum_steps} of integers",
+            by_epoch)
+        require(0 in by_epoch, "schedule.accum_steps_by_epoch",
+                "a mapping {first_epoch: accum_steps} that starts at epoch 0", by_epoch)
+        require(all(e >= 0 and n >= 1 for e, n in by_epoch.items()),
+                "schedule.accum_steps_by_epoch", "epochs >= 0 mapped to accum_steps >= 1",
+                by_epoch)
 
 
 @dataclass
@@ -59,11 +117,18 @@ class GlobalBatchScheduleConfig:
     name: str = "global_batch"
     global_batch_size: int = 256
 
+    def check(self, world_size: int, micro_batch_size: int) -> None:
+        gb, per_window = self.global_batch_size, world_size * micro_batch_size
+        require(gb >= 1 and gb % per_window == 0, "schedule.global_batch_size",
+                f"a positive multiple of world_size x data.micro_batch_size = {world_size} x "
+                f"{micro_batch_size} = {per_window}", gb)
+
 
 ScheduleConfig = ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
 SCHEDULES: dict[str, type] = {"constant": ConstantScheduleConfig,
                               "epochwise": EpochwiseScheduleConfig,
                               "global_batch": GlobalBatchScheduleConfig}
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -75,33 +140,89 @@ class PrecisionConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
 
+    def check(self, device_type: str) -> None:
+        """A precision autocast cannot run on the CPU is refused here, before the workers start
+        (on CUDA: by the GPUs' compute capability, run/main.py check_devices, never by running
+        an op here, which would put a CUDA context on GPU 0)."""
+        from gradsync.train.precision import autocast_runs  # torch: only when checked
+
+        require(self.name in PRECISIONS, "precision.name", f"one of {', '.join(PRECISIONS)}",
+                self.name)
+        if device_type == "cpu" and not autocast_runs(self.name, device_type):
+            runnable = [name for name in PRECISIONS if autocast_runs(name, device_type)]
+            raise ConfigError(f"precision.name={self.name!r} cannot run on {device_type} "
+                              "(torch autocast falls back to fp32 there): choose one of "
+                              f"{', '.join(runnable)}")
+        require(finite(self.init_scale) and self.init_scale > 0, "precision.init_scale",
+                "a finite number > 0", self.init_scale)
+        require(self.growth_interval >= 1, "precision.growth_interval", "an integer >= 1",
+                self.growth_interval)
+        require(finite(self.growth_factor) and self.growth_factor > 1,
+                "precision.growth_factor", "a finite number > 1", self.growth_factor)
+        require(finite(self.backoff_factor) and 0 < self.backoff_factor < 1,
+                "precision.backoff_factor", "a number in (0, 1)", self.backoff_factor)
+
+
+NORMALIZE = ("auto", "tokens", "samples", "micro_batch_mean")
+
 
 @dataclass
 class LossConfig:
     normalize: str = "auto"  # auto (the data's unit: tokens or samples) | tokens | samples
     #                          | micro_batch_mean (the 2024 accumulation bug, to measure it)
 
+    def check(self, unit: str, data_target: str) -> None:
+        """unit: what the data's loss counts (samples or tokens)."""
+        require(self.normalize in NORMALIZE, "loss.normalize", f"one of {', '.join(NORMALIZE)}",
+                self.normalize)
+        if self.normalize == "tokens" and unit != "tokens":
+            raise ConfigError(f"loss.normalize='tokens' needs token data; data ({data_target}) "
+                              f"counts {unit}: use auto or samples")
+
+
+@dataclass(frozen=True)
+class Component:
+    """A ``_target_`` node: the callable's dotted path and the keyword arguments the config
+    sets (``partial``: ``_partial_: true``, called later with what only the worker knows)."""
+
+    target: str
+    args: dict[str, Any]
+    partial: bool = False
+
+    @classmethod
+    def from_node(cls, node: dict[str, Any], extra: tuple[str, ...] = ()) -> Component:
+        args = {k: v for k, v in node.items()
+                if k not in ("_target_", "_partial_") and k not in extra}
+        return cls(node["_target_"], args, bool(node.get("_partial_", False)))
+
+    @property
+    def node(self) -> dict[str, Any]:
+        """As the config holds it (and components.build takes it)."""
+        return {"_target_": self.target, **self.args} | ({"_partial_": True} if self.partial
+                                                         else {})
+
 
 COMPONENTS = ("model", "data", "sync", "optimizer", "lr_scheduler")
+DATA_EXTRA = ("micro_batch_size",)  # keys of the data node that the loop reads, not the target
 
 
 @dataclass
 class RunConfig:
-    """One run, resolved and validated. ``plain`` is the same as plain data: what checkpoints
-    store and the config hash is taken of."""
+    """One run, resolved and checked (config/validate.py). ``to_plain()`` is the same as plain
+    data, as the config composes it: what checkpoints store and the config hash is taken of."""
 
-    model: dict[str, Any]
-    data: dict[str, Any]
-    sync: dict[str, Any]
-    optimizer: dict[str, Any]
-    lr_scheduler: dict[str, Any]
+    model: Component
+    data: Component
+    sync: Component
+    optimizer: Component
+    lr_scheduler: Component
+    micro_batch_size: int  # data.micro_batch_size: samples per rank per micro-batch
     schedule: ScheduleConfig
     precision: PrecisionConfig
     trainer: TrainerConfig
     loss: LossConfig
     seed: int
-    resume: str
-    plain: dict[str, Any]
+    resume: str  # none, or the checkpoint to start from (the job resolves auto to a path)
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> RunConfig:
@@ -109,14 +230,29 @@ class RunConfig:
             known = {f.name for f in fields(kind)}
             return kind(**{k: v for k, v in node.items() if k in known})
 
-        schedule = plain["schedule"]
-        return cls(**{k: plain[k] for k in COMPONENTS},
-                   schedule=typed(SCHEDULES[schedule["name"]], schedule),
+        return cls(**{k: Component.from_node(plain[k], DATA_EXTRA if k == "data" else ())
+                      for k in COMPONENTS},
+                   micro_batch_size=plain["data"]["micro_batch_size"],
+                   schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
                    loss=typed(LossConfig, plain["loss"]),
-                   seed=plain["seed"], resume=plain["resume"], plain=plain)
+                   seed=plain["seed"], resume=plain["resume"])
 
-    @property
-    def micro_batch_size(self) -> int:
-        return int(self.data["micro_batch_size"])
+    def to_plain(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
+        out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
+        for group in ("schedule", "precision", "trainer", "loss"):
+            out[group] = asdict(getattr(self, group))
+        return out | {"seed": self.seed, "resume": self.resume}
+
+
+# The groups with a fixed shape, by option: Hydra's schemas (config/hydra.py) and the known-key
+# check (config/validate.py).
+SCHEMA_GROUPS: dict[str, dict[str, type]] = {
+    "schedule": SCHEDULES,
+    "precision": {name: PrecisionConfig for name in PRECISIONS},
+    "trainer": {"default": TrainerConfig},
+    "loss": {"default": LossConfig},
+}
+TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "seed", "resume")  # a composed config's keys

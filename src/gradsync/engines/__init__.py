@@ -1,1 +1,17 @@
-"""Data-parallel engines: what wraps the model and carries out a sync policy's decisions."""
+"""Data-parallel engines: what wraps one rank's model and carries out a sync policy's
+decisions. ``base.py`` is the interface the loop talks to; ``ENGINES`` maps each
+``trainer.engine`` name to the function that builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gradsync.engines.base import Engine
+from gradsync.engines.torch_ddp import build_torch_ddp
+
+ENGINES: dict[str, Callable[..., Engine]] = {"torch_ddp": build_torch_ddp}
+
+
+def build_engine(name: str, **kwargs: Any) -> Engine:
+    return ENGINES[name](**kwargs)

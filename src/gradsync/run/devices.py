@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
 
 import torch
 
@@ -56,33 +55,6 @@ def cuda_index(visible: int, local_rank: int, local_world: int, same_view: bool)
                       "--nproc-per-node, --ntasks-per-node), or use trainer.backend=gloo")
 
 
-def local_placement(rank: int, world_size: int, spawned: bool) -> tuple[int, int, bool]:
-    """(local rank, ranks on this node, whether they all see the same GPUs): a worker this
-    launcher spawned (its rank is its local rank), or an env:// rank (torchrun, srun,
-    submitit), placed by LOCAL_RANK and LOCAL_WORLD_SIZE."""
-    if spawned:
-        return rank, world_size, True
-    env = os.environ
-    return (int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world_size)),
-            False)
-
-
-def check_cuda(precision: str, rank: int, world_size: int, spawned: bool) -> list[int]:
-    """The CUDA devices of this process's ranks (all spawned workers, or this env:// rank),
-    refused (DeviceError) where too few are visible or where the precision is not native on
-    them. No CUDA context is created."""
-    visible = visible_gpus()
-    if visible == 0:
-        raise DeviceError("trainer.backend=nccl needs a GPU, and none is visible "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
-    ranks = range(world_size) if spawned else [rank]
-    indices = [cuda_index(visible, *local_placement(r, world_size, spawned)) for r in ranks]
-    for index in indices:
-        check_capability(precision, index, torch.cuda.get_device_capability(index),
-                         torch.cuda.get_device_name(index))
-    return indices
-
-
 def check_capability(precision: str, index: int, capability: tuple[int, int], name: str) -> None:
     need = {"bf16": BF16_MIN_CAPABILITY, "fp16": FP16_MIN_CAPABILITY}.get(precision)
     if need is not None and tuple(capability) < need:
@@ -93,34 +65,7 @@ def check_capability(precision: str, index: int, capability: tuple[int, int], na
             f"{'fp16 or fp32' if precision == 'bf16' else 'fp32'}")
 
 
-def rank_device(backend: str, rank: int, world_size: int, spawned: bool) -> torch.device:
-    """The device of this rank (asked in the rank, before anything touches CUDA)."""
-    if backend != "nccl":
-        return torch.device("cpu")
-    return torch.device("cuda", cuda_index(visible_gpus(),
-                                           *local_placement(rank, world_size, spawned)))
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
-
-
-def peak_memory_mb(device: torch.device) -> float | None:
-    """The peak of memory torch allocated on this rank's GPU (None on the CPU). Read from the
-    caching allocator's counters: no device sync."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
-def to_cpu(tree: Any) -> Any:
-    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v) for v in tree)
-    return tree

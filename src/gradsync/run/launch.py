@@ -14,6 +14,7 @@ the optimizer step, checkpoint and exit together (see faults.py); a second one k
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -40,8 +41,9 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
+from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
-from gradsync.run.worker import pick_backend, worker_main
+from gradsync.run.worker import worker_main
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to exit before they are killed
 
@@ -60,18 +62,13 @@ class Interrupted(RuntimeError):
         self.signum = signum
 
 
-def under_torchrun() -> bool:
-    """torchrun's (or any env:// launcher's) variables are set: this process is one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def adopt_submitit_ranks() -> None:
     """In a submitit job of several tasks (SLURM, or submitit's local executor) each task is one
     rank: export the env:// variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR = the job's first node, MASTER_PORT = MASTER_PORT if set, else
     one drawn from the job id), so the task runs exactly like a torchrun rank. A job of one task
     is left alone: it spawns trainer.devices workers itself."""
-    if "SUBMITIT_EXECUTOR" not in os.environ or under_torchrun():
+    if "SUBMITIT_EXECUTOR" not in os.environ or env_launched():
         return
     import submitit
 
@@ -90,7 +87,7 @@ def rank0_now(fmt: str) -> str:
     store at MASTER_ADDR:MASTER_PORT, so all ranks of a job (on every node) agree on one run dir.
     Each restart of a torchrun job gets a fresh value, hence a fresh dir."""
     now = datetime.now().strftime(fmt)
-    if not under_torchrun():
+    if not env_launched():
         return now
     key = f"gradsync/now/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{fmt}"
     if key not in _agreed:
@@ -128,17 +125,17 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-def launch(cfg: RunConfig, run_dir: Path) -> int:
+def launch(cfg: RunConfig, placement: Placement, run_dir: Path) -> tuple[int, dict[str, Any]]:
     """Train; returns the signal this launcher received that stopped the job (0: none), which
-    the workers, who got it forwarded as SIGTERM, cannot know."""
-    if under_torchrun():
-        rank = int(os.environ["RANK"])
+    the workers, who got it forwarded as SIGTERM, cannot know, and the run's summary (rank 0's;
+    {} on the other env:// ranks)."""
+    if not placement.spawns:  # this process is one rank
         try:
-            worker_main(rank, int(os.environ["WORLD_SIZE"]), cfg, str(run_dir), store_port=None)
+            summary = worker_main(placement, cfg, str(run_dir), store_port=None)
         except Exception as e:  # the traceback is in logs/rank<r>.log
-            raise WorkerFailed(rank, _last_line(f"{type(e).__name__}: {e}")) from None
-        return 0
-    world = cfg.trainer.devices
+            raise WorkerFailed(placement.rank, _last_line(f"{type(e).__name__}: {e}")) from None
+        return 0, summary if placement.rank == 0 else {}
+    world = placement.world_size
     store = loopback_store(world, timedelta(seconds=cfg.trainer.timeout_s))
     _standard_start_method()
     watch = Watch(cfg.trainer.timeout_s)
@@ -151,7 +148,7 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
         if watching:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            watch.start(world, cfg, run_dir, store.port)
+            watch.start(placement, cfg, run_dir, store.port)
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)
@@ -161,7 +158,7 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
             signal.signal(sig, handler)
         watch.close()
         del store
-    return watch.signum
+    return watch.signum, watch.summary
 
 
 def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
@@ -182,7 +179,7 @@ def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-def start_method(cfg: RunConfig) -> str:
+def start_method(placement: Placement) -> str:
     """fork for CPU workers while this process holds no CUDA context: a forked worker starts
     with what the launcher already imported (torch; the compiler stack an optimizer's
     constructor imports; gradsync), where a spawned one spends seconds importing it again; a
@@ -192,7 +189,7 @@ def start_method(cfg: RunConfig) -> str:
 
     if os.environ.get("GRADSYNC_START_METHOD") == "spawn":
         return "spawn"
-    if pick_backend(cfg.trainer.backend) == "gloo" and not torch.cuda.is_initialized():
+    if placement.backend == "gloo" and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
 
@@ -210,8 +207,8 @@ def _as_if_spawned() -> None:
         root.removeHandler(handler)
 
 
-def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
-               report: Any) -> None:
+def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, port: int,
+               report: Any, summary_to: Any) -> None:
     """A spawned (or forked, start_method) rank. It gets SIGINT when the launcher dies (it
     checkpoints and stops, as a rank of torch's spawn does); its first error goes to the
     launcher through `report`, and it exits with code 1 (the traceback is in
@@ -220,10 +217,13 @@ def _rank_main(rank: int, world: int, cfg: RunConfig, run_dir: str, port: int,
     mp._prctl_pr_set_pdeathsig(signal.SIGINT)  # type: ignore[attr-defined]
     report_to(report)
     try:
-        worker_main(rank, world, cfg, run_dir, store_port=port)
+        summary = worker_main(placement, cfg, run_dir, store_port=port)
     except Exception as e:
         report_failure(e)  # if worker_main could not (an error before its own handler)
         exit_now(1)  # with the error's frames alive: nothing of the failed training is freed
+    if summary_to is not None:  # rank 0: the launcher writes summary.json (run/summary.py)
+        summary_to.send_bytes(json.dumps(summary).encode())
+        summary_to.close()
 
 
 def _ready(conn: Any) -> bool:
@@ -251,25 +251,45 @@ class Watch:
         self.exit_order: list[int] = []
         self.reported: dict[int, tuple[int, str]] = {}  # rank: (when, error) it reported
         self.unreported: set[int] = set()  # ranks whose pipe closed without a report
+        self.summary: dict[str, Any] = {}  # rank 0's, once it sent it
+        self.summary_from: Any = None  # the launcher's end of rank 0's summary pipe
 
-    def start(self, world: int, cfg: RunConfig, run_dir: Path, port: int) -> None:
+    def start(self, placement: Placement, cfg: RunConfig, run_dir: Path, port: int) -> None:
         """Start the ranks (start_method), each with a pipe to report its error on (text, never
-        pickled: no error file in a shared temporary dir)."""
-        ctx: Any = multiprocessing.get_context(start_method(cfg))
-        for rank in range(world):
+        pickled: no error file in a shared temporary dir), rank 0 with one more for the run's
+        summary (JSON)."""
+        ctx: Any = multiprocessing.get_context(start_method(placement))
+        for rank in range(placement.world_size):
             reader, writer = ctx.Pipe(duplex=False)
             self.reports.append(reader)
-            proc = ctx.Process(target=_rank_main, args=(rank, world, cfg, str(run_dir), port,
-                                                        writer))
+            summary_to = None
+            if rank == 0:
+                self.summary_from, summary_to = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(placement.for_rank(rank), cfg,
+                                                        str(run_dir), port, writer, summary_to))
             self.procs.append(proc)
             try:
                 proc.start()
             finally:
                 writer.close()  # the rank holds its own copy
+                if summary_to is not None:
+                    summary_to.close()
 
     def close(self) -> None:
-        for conn in self.reports:
+        for conn in self.reports + ([self.summary_from] if self.summary_from else []):
             conn.close()
+
+    def _read_summary(self) -> None:
+        """Rank 0's summary, once it is there (JSON text)."""
+        conn = self.summary_from
+        if self.summary or conn is None or not _ready(conn):
+            return
+        try:
+            self.summary = json.loads(conn.recv_bytes().decode())
+        except (EOFError, OSError, ValueError):
+            pass
+        conn.close()
+        self.summary_from = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
         if not self.signum:
@@ -317,6 +337,7 @@ class Watch:
                 if proc.exitcode is not None and rank not in self.exit_order:
                     self.exit_order.append(rank)
             self._read_reports()
+            self._read_summary()
             alive = [p for p in self.procs if p.exitcode is None]
             if not alive:
                 break
@@ -332,10 +353,12 @@ class Watch:
                     self._kill_all()
             waiting = [c for r, c in enumerate(self.reports)
                        if r not in self.reported and r not in self.unreported]
+            waiting += [self.summary_from] if self.summary_from is not None else []
             multiprocessing.connection.wait([p.sentinel for p in alive] + waiting, timeout=0.5)
         for proc in self.procs:
             proc.join()
         self._read_reports()
+        self._read_summary()
         failed = [r for r in self.exit_order if self.procs[r].exitcode]
         if self.aborted:
             raise Interrupted(self.signum, f"aborted by a second {signal_name(self.signum)}: "

@@ -24,6 +24,7 @@ import torch
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.sync.averaging import Anchor, plain_average
 from gradsync.sync.comm import CommCounts
+from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import SharedSlots
 from gradsync.train.precision import DTYPES
 
@@ -106,7 +107,7 @@ class OuterSGD:
             self._build(global_).load_state_dict(state)
 
 
-class ModelAveraging:
+class ModelAveraging(SyncPolicy):
     """The policy: exact accumulate for `warmup_steps` windows, then local steps, and every
     `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
     global weights. LocalSGD and DiLoCo below build it; they only choose the outer update."""

@@ -23,66 +23,72 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
+from gradsync.config.schema import TrainerConfig
 from gradsync.data.bundle import epoch_batches
-from gradsync.run.devices import peak_memory_mb
-from gradsync.run.faults import StopAgreement
+from gradsync.engines.base import Engine
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policies import Policy, sync_context
-from gradsync.train.metrics import RunLog
+from gradsync.sync.policy import SyncPolicy
+from gradsync.train.metrics import RunLog, peak_memory_mb
 from gradsync.train.normalize import Normalizer
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import Shard, Window, plan_epoch
 
 
-@dataclass
-class LoopSettings:
-    """The numbers the loop runs by (from trainer.*, the data and the schedule)."""
+class Stop(Protocol):
+    """The ranks' agreement to stop after a signal (run/faults.py StopAgreement)."""
 
-    world_size: int
-    micro_batch_size: int
-    max_epochs: int
-    max_steps: int  # -1: no limit
-    total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
-    log_every: int = 10
-    eval_every: int = 0  # 0: only at the end
-    clip_grad_norm: float = 0.0  # 0: off
-    checkpoint_every: int = 0  # optimizer steps; 0: only at the end (and when stopped)
-    check_finite: bool = False  # a non-finite loss stops the run (fp32)
-    check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
-    allreduce: str = "process_group"  # or shared_memory: how the gradients were all-reduced
+    agreed: int
+
+    def poll(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class Parts:
     """The built objects the loop asks questions of (the worker builds them from the run's
-    config), its settings, and the worker's hooks."""
+    config), the numbers it runs by, and the worker's hooks."""
 
-    ddp: DistributedDataParallel
+    engine: Engine
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataLoader
     sampler: DistributedSampler
     schedule: Any  # .accum_steps(epoch) -> int
-    policy: Policy
+    policy: SyncPolicy
     precision: Precision
     loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     evaluate: Callable[[], dict[str, float]]
-    counts: CommCounts
-    device: torch.device
-    s: LoopSettings
     normalizer: Normalizer  # what each micro-batch's loss is divided by
+    device: torch.device
+    trainer: TrainerConfig  # max_epochs, max_steps, cadences, clipping
+    world_size: int
+    micro_batch_size: int
+    total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
-    stop: StopAgreement | None = None  # None: signals are not watched
+    stop: Stop | None = None  # None: signals are not watched
     after_window: list[Callable[[Parts, Progress, bool], None]] = field(default_factory=list)
+
+    @property
+    def counts(self) -> CommCounts:
+        return self.engine.counts
+
+    @property
+    def check_finite(self) -> bool:
+        """A non-finite loss or parameter stops the run (fp32, where nothing should overflow)."""
+        return self.precision.name == "fp32"
+
+    @property
+    def check_replicas(self) -> int:
+        return self.trainer.check_replicas if self.world_size > 1 else 0
 
 
 @dataclass
@@ -100,8 +106,8 @@ class Progress:
     def skipped_steps(self) -> int:
         return self.windows - self.step
 
-    def done(self, s: LoopSettings) -> bool:
-        return self.epoch >= s.max_epochs or (s.max_steps >= 0 and self.step >= s.max_steps)
+    def done(self, tr: TrainerConfig) -> bool:
+        return self.epoch >= tr.max_epochs or (tr.max_steps >= 0 and self.step >= tr.max_steps)
 
 
 class UnsyncedWindow(RuntimeError):
@@ -109,8 +115,8 @@ class UnsyncedWindow(RuntimeError):
     step on its own gradients and the replicas would drift apart silently."""
 
 
-def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
-               policy: Policy, precision: Precision, loss: Callable,
+def run_window(engine: Engine, batches: Iterator, window: Window,
+               policy: SyncPolicy, precision: Precision, loss: Callable,
                device: torch.device, norm: Normalizer) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
@@ -140,14 +146,14 @@ def run_window(ddp: DistributedDataParallel, batches: Iterator, window: Window,
                 "gradients and the replicas drift apart. The last micro-batch of a window must "
                 "synchronise, or the policy must set syncs_parameters = True and average the "
                 "parameters itself")
-        with sync_context(ddp, sync):
+        with engine.micro_batch(sync):
             with precision.autocast():
-                out = ddp(x)
+                out = engine(x)
                 sums, counts = loss(out if keep == len(out) else out[:keep], y)
                 micro = norm.micro_loss(window, i, sums, counts)
             precision.backward(micro)
         total += micro.detach()
-        doomed = policy.window_doomed(ddp, i, window.size)
+        doomed = policy.window_doomed(engine.module, i, window.size)
     if doomed:
         return torch.full((), float("nan"), device=device)
     return norm.window_loss(total)
@@ -157,23 +163,18 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
     """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm);
     the norm stays a tensor (on a GPU: no wait for it) until a logging step reads it."""
     p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
-    p.normalizer.before_step(p.ddp.parameters())
+    p.normalizer.before_step(p.engine.parameters())
     norm = None
-    if p.s.clip_grad_norm > 0:
-        norm = clip_grad_norm_(p.ddp.parameters(), p.s.clip_grad_norm)
+    if p.trainer.clip_grad_norm > 0:
+        norm = clip_grad_norm_(p.engine.parameters(), p.trainer.clip_grad_norm)
     elif want_norm:
-        norm = get_total_norm([q.grad for q in p.ddp.parameters() if q.grad is not None])
+        norm = get_total_norm([q.grad for q in p.engine.parameters() if q.grad is not None])
     stepped = p.precision.step(p.optimizer)
     p.policy.after_step(stepped)
     # a policy that syncs parameters lets each rank's GradScaler skip its own step: the window
     # counts as a step everywhere (counters, LR schedule, cadences stay the same on every rank)
     stepped = stepped or p.policy.syncs_parameters
-    # gradients that are views into DDP's buckets stay so (zeroed): set to None, they come back
-    # as fresh tensors that DDP copies into the buckets at every synchronising backward. A
-    # policy that syncs parameters has (after its warm-up) no synchronising backward: None
-    # spares the zeroing pass and the backward's accumulation into the zeros.
-    p.optimizer.zero_grad(set_to_none=not p.ddp.gradient_as_bucket_view
-                          or p.policy.syncs_parameters)
+    p.engine.zero_grad(p.optimizer)
     if stepped:
         p.lr_scheduler.step()
     return stepped, norm
@@ -196,7 +197,7 @@ class StepLog:
         if not rows:
             return
         drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64)
-        if self.p.s.world_size > 1:
+        if self.p.world_size > 1:
             dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
         for row, drift in zip(rows, drifts.tolist(), strict=True):
             row["replica_drift"] = drift
@@ -213,9 +214,9 @@ class StepLog:
             return
         grad_norm = None if norm is None else float(norm)
         losses = torch.stack(self.losses).double()
-        if self.p.s.world_size > 1:
+        if self.p.world_size > 1:
             dist.all_reduce(losses)
-            losses /= self.p.s.world_size
+            losses /= self.p.world_size
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
         self._max_drift_over_ranks()
@@ -246,16 +247,16 @@ class StepLog:
             scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
         self.log.scalars(state.windows, scalars)
         self.rows, self.losses = [], []
-        if bad is not None and self.p.s.check_finite:
+        if bad is not None and self.p.check_finite:
             raise FloatingPointError(
                 f"non-finite training loss ({bad['loss']}) at optimizer step {bad['step']} "
                 "(fp32); stopped, the last good checkpoint stays in checkpoints/")
 
 
-def require_finite_parameters(ddp: DistributedDataParallel, step: int) -> None:
+def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
     """No checkpoint of a diverged model: the step's loss may still have been finite. The
     parameters are the same on every rank, so every rank decides the same."""
-    if not all(bool(torch.isfinite(q).all()) for q in ddp.parameters()):
+    if not all(bool(torch.isfinite(q).all()) for q in model.parameters()):
         raise FloatingPointError(f"non-finite parameters after optimizer step {step} (fp32); "
                                  "stopped, the last good checkpoint stays in checkpoints/")
 
@@ -273,11 +274,11 @@ def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
                **_spent(p, state), **state.last_eval})
 
 
-def check_replicas(ddp: DistributedDataParallel, step: int) -> None:
+def check_replicas(model: torch.nn.Module, step: int) -> None:
     """A cheap cross-rank checksum of every parameter (its sum and sum of squares in float64,
     gathered from every rank): replicas that should be equal are bitwise equal, so any
     difference names a parameter that drifted (trainer.check_replicas)."""
-    named = list(ddp.module.named_parameters())
+    named = list(model.named_parameters())
     mine = torch.stack([torch.stack([q.detach().double().sum(), q.detach().double().square().sum()])
                         for _, q in named]).cpu()
     world = dist.get_world_size()
@@ -295,23 +296,23 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
     next window, skipping the samples already used) until done or until the ranks agree to
     stop (p.stop.agreed)."""
-    s = p.s
+    tr = p.trainer
     steps = StepLog(p, log, state)
     stop = 0
-    p.policy.start(p.ddp.module, state.windows)
-    while not state.done(s) and not stop:
+    p.policy.start(p.engine.module, state.windows)
+    while not state.done(tr) and not stop:
         epoch, first = state.epoch, state.epoch_step
         shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
                       p.sampler.num_replicas)
-        plan = plan_epoch(shard, s.micro_batch_size, p.schedule.accum_steps(epoch))
-        batches = epoch_batches(p.loader, epoch, plan[first].start * s.micro_batch_size)
+        plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(epoch))
+        batches = epoch_batches(p.loader, epoch, plan[first].start * p.micro_batch_size)
         for k in range(first, len(plan)):
             window = plan[k]
             t0 = time.perf_counter()
-            local_loss = run_window(p.ddp, batches, window, p.policy, p.precision, p.loss,
+            local_loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
                                     p.device, p.normalizer)
             lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.windows + 1) % s.log_every == 0
+            log_now = (state.windows + 1) % tr.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)
             state.train_s += time.perf_counter() - t0
             state.windows += 1
@@ -320,10 +321,10 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             end_of_epoch = k == len(plan) - 1
             state.epoch = epoch + end_of_epoch  # counts completed epochs
             state.epoch_step = 0 if end_of_epoch else k + 1
-            finished = state.done(s)
-            p.policy.after_window(p.ddp.module, state.windows)
+            finished = state.done(tr)
+            p.policy.after_window(p.engine.module, state.windows)
             if finished:
-                p.policy.finish(p.ddp.module)  # e.g. local SGD ends with an averaging
+                p.policy.finish(p.engine.module)  # e.g. local SGD ends with an averaging
             row = {"window": state.windows, "step": state.step, "epoch": epoch,
                    "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                    "stepped": stepped}
@@ -334,23 +335,23 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                 steps.flush(state, norm)
             for hook in p.after_window:
                 hook(p, state, stepped)
-            if (s.check_replicas and stepped and state.step % s.check_replicas == 0
+            if (p.check_replicas and stepped and state.step % p.check_replicas == 0
                     and p.policy.replicas_in_sync()):
-                check_replicas(p.ddp, state.step)
-            if s.eval_every and stepped and state.step % s.eval_every == 0:
+                check_replicas(p.engine.module, state.step)
+            if tr.eval_every and stepped and state.step % tr.eval_every == 0:
                 evaluate(p, state, log)
             stop = p.stop.poll() if p.stop else 0
-            if stop or finished or (s.checkpoint_every and stepped
-                                    and state.step % s.checkpoint_every == 0):
+            if stop or finished or (tr.checkpoint_every and stepped
+                                    and state.step % tr.checkpoint_every == 0):
                 steps.flush(state, None)  # a checkpoint covers every row up to its step
-                if s.check_finite:
-                    require_finite_parameters(p.ddp, state.step)
+                if p.check_finite:
+                    require_finite_parameters(p.engine.module, state.step)
                 p.checkpoint(p, state)
             if stop or finished:
                 break
     steps.flush(state, None)
     if p.stop:
         p.stop.close()
-    if not stop and not (s.eval_every and state.step and state.step % s.eval_every == 0):
+    if not stop and not (tr.eval_every and state.step and state.step % tr.eval_every == 0):
         evaluate(p, state, log)
     return state

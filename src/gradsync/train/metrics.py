@@ -9,7 +9,17 @@ import resource
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gradsync.train.files import replacing
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """The peak of memory torch allocated on this rank's GPU (None on the CPU). Read from the
+    caching allocator's counters: no device sync."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def peak_rss_mb() -> float:
@@ -88,11 +98,6 @@ class RunLog:
             shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in values.items()
                      if k in ("train/loss", "perf/samples_per_s", "eval/accuracy", "eval/loss")}
             self.bar.set_postfix(shown, refresh=False)
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        if not self.active:
-            return
-        write_json_atomic(self.run_dir / "summary.json", summary)
 
     def close(self) -> None:
         if not self.active:

@@ -20,16 +20,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.run.devices import to_cpu
 from gradsync.run.ranks import is_rank0
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.repro import config_hash
 
 
+def to_cpu(tree: Any) -> Any:
+    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
+
+
 def components(p: Parts) -> dict[str, Any]:
-    candidates = {"model": p.ddp.module, "optimizer": p.optimizer,
+    candidates = {"model": p.engine, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
-                  "policy": p.policy.impl, "schedule": p.schedule}
+                  "policy": p.policy, "schedule": p.schedule}
     return {k: v for k, v in candidates.items() if hasattr(v, "state_dict")}
 
 
@@ -50,6 +60,11 @@ def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     models = [o["model"] for o in own]
     return {k: (torch.stack([m[k] for m in models]).mean(0).to(v.dtype)
                 if v.is_floating_point() else v) for k, v in models[0].items()}
+
+
+def own_replicas(p: Parts) -> bool:
+    """Whether each rank trains a replica of its own between averagings (wholly or in part)."""
+    return p.policy.syncs_parameters or p.policy.own_replicas
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -75,12 +90,13 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
     mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
-    if p.policy.own_replicas:
+    own = own_replicas(p)
+    if own:
         parts = components(p)
         mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
     writer = is_rank0()  # gathers every rank's part and writes the file
-    ranks: list[Any] | None = [None] * p.s.world_size if writer else None
-    if p.s.world_size > 1:
+    ranks: list[Any] | None = [None] * p.world_size if writer else None
+    if p.world_size > 1:
         dist.gather_object(mine, ranks, dst=0, group=group)
     else:
         ranks = [mine]
@@ -89,9 +105,9 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none
     out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
-    if p.policy.own_replicas and not p.policy.replicas_in_sync():
+    if own and not p.policy.replicas_in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
-    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.s.world_size,
+    out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
                config=cfg, config_hash=config_hash(cfg))
     return out
 

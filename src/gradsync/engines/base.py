@@ -1,0 +1,70 @@
+"""The engine interface: what the training loop asks of a data-parallel engine.
+
+An engine wraps one rank's model and carries out the sync policy's decision for each
+micro-batch. The loop never sees the wrapper class (torch's ``DistributedDataParallel`` today;
+FSDP2 and an engine of gradsync's own plug in the same way): it calls the engine as the model,
+runs each micro-batch's forward *and* backward inside ``engine.micro_batch(sync)``, steps the
+optimizer on ``engine.parameters()``, lets the engine zero the gradients, and asks it for the
+model to evaluate and to average, and for the model's state to save and restore.
+
+One micro-batch, as the loop runs it (train/loop.py run_window)::
+
+    sync = policy.should_sync(i, window.size)
+    with engine.micro_batch(sync):          # torch_ddp: no_sync() when not sync
+        out = engine(x)                     # the forward decides whether the backward syncs
+        loss(out, y).backward()             # a syncing backward all-reduces (the comm hook)
+
+An engine is built by a function registered in ``gradsync.engines.ENGINES`` under its
+``trainer.engine`` name, from the model, the policy (its ``bind`` names the parameters the
+engine must leave alone, its ``comm_hook`` is the all-reduce to run), the rank's placement and
+the trainer settings; it counts what it puts on the wire in the run's ``CommCounts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from gradsync.sync.comm import CommCounts
+
+
+class Engine(Protocol):
+    name: str  # trainer.engine
+    # The model itself (no wrapper): what is evaluated, what a policy averages and inspects
+    # (local SGD's anchor, overflow consensus), whose parameter names checkpoints keep.
+    module: nn.Module
+    counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
+    transport: str  # how the gradients travel: process_group | shared_memory
+
+    def __call__(self, *inputs: Any) -> Any:
+        """The forward of one micro-batch (inside micro_batch())."""
+        ...
+
+    def micro_batch(self, sync: bool) -> AbstractContextManager[Any]:
+        """The context one micro-batch's forward and backward run in: with sync False its
+        gradients stay local and accumulate; with sync True the backward synchronises them
+        (and whatever accumulated before) over the ranks."""
+        ...
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """What the optimizer steps, clipping measures and the loss normaliser rescales."""
+        ...
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer step: gradients zeroed (or set to None) as the engine needs."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's state, as checkpoints keep it (the module's parameter names)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine all-reduces and how: summary.json's `engine` entry."""
+        ...

@@ -1,0 +1,141 @@
+"""summary.json, the run's record of what it did, and its one writer.
+
+Every rank computes its part at the end of training (``summarize``: the per-rank counters are
+gathered to every rank); the job process writes the file once (``write``), adding what only it
+knows (the whole job's wall time, the signal that stopped it): the launcher of spawned ranks
+gets rank 0's summary through a pipe of its own, a torchrun rank 0 has it in hand. A job that
+fails writes ``failed`` instead. Rank 0 of the job is the writer (ranks.is_rank0).
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from gradsync.run import slurm
+from gradsync.run.devices import device_name
+from gradsync.train.loop import Parts, Progress
+from gradsync.train.metrics import peak_memory_mb, peak_rss_mb, write_json_atomic
+
+SUMMARY = "summary.json"
+
+
+def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
+    """Collective: the run's summary, on every rank. Per-rank counters are gathered from every
+    rank; the largest worker's peak RSS."""
+    c = p.counts
+    o = p.policy.overflow
+    a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
+    mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
+            "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
+            "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
+            "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
+            "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
+            "averaging": None if a is None else asdict(a), "groups": c.groups}
+    gathered: list[Any] = [None] * p.world_size
+    dist.all_gather_object(gathered, mine)
+
+    def per_rank(key: str) -> list[Any]:
+        return [g[key] for g in gathered]
+
+    accum = sorted({p.schedule.accum_steps(e) for e in range(p.trainer.max_epochs)})
+    return {
+        "optimizer_steps": state.step,
+        "epochs_completed": state.epoch,
+        "samples_seen": state.samples_seen,
+        "final_train_loss": state.last_loss,
+        "eval": state.last_eval,
+        "samples_per_s": state.samples_seen / state.train_s if state.train_s > 0 else 0.0,
+        "train_s": state.train_s,
+        "sync_backwards": per_rank("sync_backwards"),
+        "allreduce_calls": per_rank("allreduce_calls"),
+        "allreduce_bytes": per_rank("allreduce_bytes"),
+        "peak_rss_mb": max(per_rank("peak_rss_mb")),
+        "peak_gpu_mem_mb": per_rank("peak_gpu_mem_mb") if p.device.type == "cuda" else None,
+        "threads": per_rank("threads"),
+        "device": gathered[0]["device"],
+        "windows": state.windows,
+        "amp_skipped_steps": state.skipped_steps,
+        "amp_final_scale": p.precision.scale,
+        "amp_aborted_windows": per_rank("amp_aborted_windows"),
+        "allreduce_skipped": per_rank("allreduce_skipped"),
+        "overflow_flag_allreduces": per_rank("overflow_flag_allreduces"),
+        "world_size": p.world_size,
+        "accum_steps": accum[0] if len(accum) == 1 else accum,
+        "micro_batch_size": p.micro_batch_size,
+        "sync_policy": p.policy.name,
+        "loss_normalize": p.normalizer.name,
+        "precision": p.precision.name,
+        "backend": dist.get_backend(),
+        "engine": p.engine.describe(),
+        "allreduce": p.engine.transport,
+        "seed": seed,
+    } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
+      | group_summary(per_rank("groups"))
+
+
+def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """sync.groups: each group's all-reduce calls and bytes per rank (`rest`: the parameters
+    no rule matched)."""
+    if not per_rank[0]:
+        return {}
+    return {"allreduce_groups": {g: {"calls": [r[g][0] for r in per_rank],
+                                     "bytes": [r[g][1] for r in per_rank]}
+                                 for g in per_rank[0]}}
+
+
+def averaging_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Local SGD / DiLoCo: averaging rounds, each rank's own skipped fp16 steps, and the largest
+    replica drift measured before an averaging on any rank."""
+    return {"averagings": per_rank[0]["averagings"],
+            "local_skipped_steps": [r["local_skipped_steps"] for r in per_rank],
+            "max_replica_drift": max(r["max_replica_drift"] for r in per_rank)}
+
+
+def write(run_dir: Path, summary: dict[str, Any]) -> None:
+    write_json_atomic(run_dir / SUMMARY, summary)
+
+
+def failed(run_dir: Path, error: str) -> dict[str, Any]:
+    """A failed job's summary (written where the run dir exists; a full disk is left to the
+    error line the caller prints)."""
+    out = {"status": "failed", "error": error}
+    if run_dir.is_dir():
+        try:
+            write(run_dir, out)
+        except OSError:
+            pass
+    return out
+
+
+def report(run_dir: Path, s: dict[str, Any]) -> None:
+    """The lines a completed run prints."""
+    evals = " ".join(f"eval_{k}={v:.4f}" for k, v in s["eval"].items())
+    print(f"\ngradsync: outputs in {run_dir}\n"
+          f"  steps={s['optimizer_steps']} samples={s['samples_seen']} "
+          f"final_train_loss={s['final_train_loss']:.4f} {evals} "
+          f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
+          f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+
+
+def stopped(run_dir: Path, s: dict[str, Any], requeue: bool) -> NoReturn:
+    """A run stopped by a signal after checkpointing: say where, and how to go on, and exit with
+    128 + the signal; under SLURM a preemption warning (SIGUSR1/SIGUSR2) requeues the job (the
+    checkpoint is durable now)."""
+    signum = signal.Signals[s["stopped_by"]]
+    job = slurm.job_id()
+    how = (f"continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
+           "(and the same overrides)")
+    if job and signum in slurm.PREEMPT_SIGNALS and requeue:
+        how = slurm.requeue(job)
+    print(f"gradsync: stopped by {s['stopped_by']} after optimizer step "
+          f"{s['optimizer_steps']}; checkpoint {s['checkpoint']}\n  {how}", file=sys.stderr,
+          flush=True)
+    sys.exit(128 + signum)

@@ -1,0 +1,165 @@
+"""The sync policy contract: ``SyncPolicy``, a base class whose every member but
+``should_sync`` has a no-op default (torchtune's recipe interface is the model).
+
+For every micro-batch the loop asks ``should_sync(micro_index, window_size)``: True runs its
+forward and backward synchronising (the engine all-reduces the gradients), False keeps the
+gradients local (``no_sync()`` on torch's DDP). The other members let a policy choose the
+all-reduce, take part in fp16's overflow handling, or keep the replicas consistent itself by
+averaging parameters (local SGD). Each is called at one point of the loop, named in its
+docstring; ``docs/components.md`` shows a policy of one's own.
+
+A policy is an ordinary ``_target_`` component (conf/sync/). Subclass ``SyncPolicy``, or write
+any class with ``should_sync``: ``as_policy`` extends such a class with the base class (its own
+members come first), so the loop can ask every policy every question.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from gradsync.components import ConfigError
+from gradsync.sync.comm import InnerHook, allreduce_in
+
+if TYPE_CHECKING:
+    from gradsync.sync.shm_allreduce import SharedSlots
+
+
+@dataclass
+class OverflowCounts:
+    aborted_windows: int = 0  # windows whose remaining compute was skipped: doomed by an overflow
+    allreduce_skipped: int = 0  # full-gradient all-reduces (syncing backwards) those skipped
+    flag_allreduces: int = 0  # one-element all-reduces: overflow consensus, found_inf agreement
+
+
+class SyncPolicy:
+    """Decides, micro-batch by micro-batch, whether gradients synchronise."""
+
+    name: str = ""  # summary.json's sync_policy (default: the class name)
+    # True: the policy keeps the replicas consistent itself (averaging parameters); a window may
+    # then end without synchronising, and each rank keeps its own model and optimizer state
+    # between averagings (checkpoints keep every rank's)
+    syncs_parameters: bool = False
+    # True: some parameters (and their optimizer state) differ across ranks between averagings
+    # (sync.groups with `every`): checkpoints keep every rank's (implied by syncs_parameters)
+    own_replicas: bool = False
+    # set by after_window / finish when they averaged: this rank's drift just before,
+    # ||theta_r - theta_mean|| / ||theta_mean||
+    replica_drift: float | None = None
+    averaging: Any = None  # counters of a policy that averages the models (summary, checkpoints)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "name", ""):
+            cls.name = cls.__name__
+
+    @property
+    def overflow(self) -> OverflowCounts:
+        """Counters of the overflow handling (fp16), per rank: in summary.json and checkpoints."""
+        return self.__dict__.setdefault("_overflow", OverflowCounts())
+
+    @overflow.setter
+    def overflow(self, counts: OverflowCounts) -> None:
+        self.__dict__["_overflow"] = counts
+
+    # --- the one question every policy answers -------------------------------------------------
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        """Asked before each micro-batch's forward: micro_index counts from 0 inside the current
+        window of window_size micro-batches. The last micro-batch of a window must synchronise
+        (the all-reduce of the accumulated gradients is what keeps the replicas equal), unless
+        the policy syncs parameters itself (``syncs_parameters``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no should_sync")
+
+    # --- when the engine is built ------------------------------------------------------------
+    def bind(self, model: nn.Module) -> list[str]:
+        """Before the engine wraps the model: the names of parameters the engine must leave
+        alone (neither broadcast nor all-reduce them): the policy keeps them consistent."""
+        return []
+
+    def comm_hook(self) -> InnerHook:
+        """The all-reduce the engine runs on a synchronising backward (counted around it)."""
+        return allreduce_in(None)
+
+    def use_shared_memory(self, slots: SharedSlots) -> None:
+        """The run's CPU ranks all-reduce through shared memory (sync/shm_allreduce.py): a
+        policy that averages by itself may do so through the same slots."""
+
+    # --- inside a window ---------------------------------------------------------------------
+    def window_doomed(self, model: nn.Module, micro_index: int, window_size: int) -> bool:
+        """Asked after each micro-batch's backward: True (on every rank alike) when the window
+        can no longer step, so its remaining micro-batches are not computed."""
+        return False
+
+    # --- at the window's end -----------------------------------------------------------------
+    def agree_on_overflow(self, found_inf: list[torch.Tensor]) -> None:
+        """After unscaling: may make the scaler's inf/nan flags (changed in place) identical on
+        every rank. Nothing by default: after a full all-reduce every rank holds the same
+        gradients, so the scaler finds the same inf/nan everywhere."""
+
+    def after_step(self, stepped: bool) -> None:
+        """After the optimizer step of a window (stepped: False when fp16 skipped it)."""
+
+    def start(self, model: nn.Module, windows_done: int) -> None:
+        """On every rank before the first window of a fresh or resumed run (after restore)."""
+
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
+        """On every rank after each window's optimizer step (taken or skipped); windows_done
+        counts the windows completed so far, the same on every rank."""
+
+    def finish(self, model: nn.Module) -> None:
+        """At the end of training, before the final evaluation and checkpoint."""
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every rank holds the same parameters now (trainer.check_replicas asks)."""
+        return not self.syncs_parameters
+
+
+_adopted: dict[type, type] = {}
+
+
+def as_policy(obj: Any, target: str = "sync") -> SyncPolicy:
+    """A built sync component as a SyncPolicy. An instance of a subclass is returned as it is;
+    an object of a class of its own gets the base class's defaults for what it leaves out (its
+    class is extended with SyncPolicy, its own members first). ConfigError when it cannot be a
+    policy: no ``should_sync(micro_index, window_size)``."""
+    if not isinstance(obj, SyncPolicy):
+        cls = type(obj)
+        if not callable(getattr(obj, "should_sync", None)):
+            raise ConfigError(f"sync ({target}): returned {_kind(obj)}, which is no sync policy: "
+                              "a sync policy has a method should_sync(micro_index, window_size) "
+                              "-> bool (subclass gradsync.sync.SyncPolicy)")
+        if cls not in _adopted:
+            _adopted[cls] = type(cls.__name__, (cls, SyncPolicy),
+                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        try:
+            obj.__class__ = _adopted[cls]
+        except TypeError:
+            raise ConfigError(f"sync ({target}): {cls.__qualname__} cannot take SyncPolicy's "
+                              "defaults (its layout is fixed): subclass "
+                              "gradsync.sync.SyncPolicy") from None
+    check_should_sync(obj, target)
+    return obj
+
+
+def check_should_sync(policy: SyncPolicy, target: str) -> None:
+    """should_sync is implemented and callable as should_sync(micro_index, window_size)."""
+    method = type(policy).should_sync
+    if method is SyncPolicy.should_sync:
+        raise ConfigError(f"sync ({target}): {type(policy).__qualname__} has no should_sync("
+                          "micro_index, window_size) -> bool, the one method a policy needs")
+    try:
+        inspect.signature(policy.should_sync).bind(0, 1)
+    except TypeError:
+        raise ConfigError(f"sync ({target}): {type(policy).__qualname__}.should_sync"
+                          f"{inspect.signature(policy.should_sync)} cannot be called as "
+                          "should_sync(micro_index, window_size)") from None
+    except ValueError:  # no signature to read (a builtin): let it be called
+        pass
+
+
+def _kind(obj: Any) -> str:
+    return "None" if obj is None else f"a {type(obj).__qualname__}"
