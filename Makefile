@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 STARTUP_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep race bench gpu-check clean distclean
+.PHONY: help install train test lint sweep race bench gpu-check gpu-check-dry gpu-wheels compat \
+	clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -46,6 +47,26 @@ bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Acceler
 
 race: install ## which policy wins: 6 sync policies on the stdlib corpus (experiment=policy_race)
 	$(BIN)/gradsync-train -m experiment=policy_race $(ARGS)
+
+# Another torch than the lock's: a venv of its own (.venv-torch-<version>, ignored) with that
+# torch from the registry (its CUDA build and nvidia-* wheels: they also run on a CPU) and the
+# lock's other pins, then the exactness and resume tests in it. The first run downloads a few
+# GB; a set-up venv reinstalls nothing.
+TORCH ?=
+COMPAT_VENV := .venv-torch-$(TORCH)
+COMPAT_TESTS ?= tests/test_ddp_sync.py tests/test_uneven.py tests/test_resume.py \
+	tests/test_local_sgd.py tests/test_layer_sync.py tests/test_powersgd.py tests/test_amp.py \
+	tests/test_checkpoint.py tests/test_units.py tests/test_compat.py
+compat: ## another torch: make compat TORCH=2.11.0 (venv .venv-torch-2.11.0; exactness and resume tests)
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=<version>, e.g. TORCH=2.11.0" >&2; exit 2; }
+	@test -f $(COMPAT_VENV)/.installed || { \
+	  set -e; test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV); \
+	  grep -v '^torch==' requirements.lock > $(COMPAT_VENV)/lock-without-torch.txt; \
+	  $(COMPAT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	    "torch==$(TORCH)" -r $(COMPAT_VENV)/lock-without-torch.txt; \
+	  touch $(COMPAT_VENV)/.installed; }
+	PYTHONPATH=$(CURDIR)/src $(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider -q \
+	  $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 # PY=python3: a machine whose python3 already has CUDA torch (no venv is built then); gradsync
 # comes from this checkout's src/ either way.

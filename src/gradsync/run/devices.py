@@ -23,14 +23,21 @@ class DeviceError(ValueError):
     """The GPUs this process sees cannot serve the ranks asked of it (a config error)."""
 
 
-def cpu_threads(local_world: int) -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity: taskset, cgroups' cpusets, SLURM's
-    --cpus-per-task), shared by the ranks on this node."""
+    binding)."""
     try:
-        usable = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable // max(1, local_world))
+        return os.cpu_count() or 1
+
+
+def cpu_threads(local_world: int, own_mask: bool = False) -> int:
+    """A rank's threads: the CPUs this process may run on, shared by the `local_world` ranks
+    on this node unless the mask is this rank's own (an srun task SLURM bound to its
+    --cpus-per-task CPUs: slurm.task_has_own_cpus)."""
+    usable = usable_cpus()
+    return usable if own_mask else max(1, usable // max(1, local_world))
 
 
 def visible_gpus() -> int:
@@ -115,12 +122,40 @@ def peak_memory_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+class WrongDevice(RuntimeError):
+    """A tensor about to go to a collective of the default group is not on the model's device."""
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor`, checked to be on `device` (the model's) before it goes to a collective of the
+    default group: nccl, like a group made as "cuda:gloo", serves CUDA tensors only, and a CPU
+    tensor there fails only on a GPU ("No backend type associated with device type cpu"). The
+    check runs everywhere, so a CPU run catches such a tensor too."""
+    if tensor.device != device:
+        raise WrongDevice(f"a tensor on {tensor.device} was handed to a collective of the "
+                          f"default group, whose ranks train on {device}: nccl serves only "
+                          "CUDA tensors; build it on the model's device")
+    return tensor
+
+
 def to_cpu(tree: Any) -> Any:
-    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v) for v in tree)
-    return tree
+    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU. From a GPU the
+    copies are queued (into pinned memory) and waited for once, not once per tensor."""
+    streams: dict[torch.device, Any] = {}
+
+    def copy(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            if tree.device.type == "cuda":
+                streams.setdefault(tree.device, torch.cuda.current_stream(tree.device))
+                return tree.detach().to("cpu", non_blocking=True)
+            return tree.detach().cpu()
+        if isinstance(tree, dict):
+            return {k: copy(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(copy(v) for v in tree)
+        return tree
+
+    out = copy(tree)
+    for stream in streams.values():
+        stream.synchronize()  # the one wait: the copies are done before anyone reads them
+    return out

@@ -26,6 +26,7 @@ from gradsync.run.devices import (
     local_placement,
     peak_memory_mb,
     rank_device,
+    usable_cpus,
 )
 from gradsync.run.faults import (
     PROCESS_FLAG,
@@ -35,7 +36,7 @@ from gradsync.run.faults import (
     signal_name,
 )
 from gradsync.run.ranks import is_rank0
-from gradsync.run.slurm import watched_signals
+from gradsync.run.slurm import task_has_own_cpus, watched_signals
 from gradsync.sync.averaging import float_state
 from gradsync.sync.comm import CommCounts, install_counting_hook
 from gradsync.sync.policies import Policy
@@ -321,7 +322,8 @@ def worker_main(rank: int, world_size: int, cfg: RunConfig, run_dir: str,
     tr = cfg.trainer
     spawned = store_port is not None
     threads = tr.threads_per_worker or cpu_threads(
-        local_placement(rank, world_size, spawned)[1])
+        local_placement(rank, world_size, spawned)[1],
+        own_mask=not spawned and task_has_own_cpus(usable_cpus()))
     torch.set_num_threads(threads)
     backend = pick_backend(tr.backend)
     device = rank_device(backend, rank, world_size, spawned)

@@ -324,7 +324,12 @@ def grouped_allreduce(layers: LayerSync, bucket: dist.GradBucket
         sent.append((spans, flat, dist.all_reduce(flat, async_op=True)))
 
     def copy_back(_: Any) -> torch.Tensor:
-        for spans, flat, _work in sent:
+        for spans, flat, work in sent:
+            # A nccl work's future is done once the collective is queued, and collect_all's
+            # future carries no CUDA events: without this wait the copies below would read
+            # `flat` before nccl reduced it. On nccl it is a stream wait (this stream waits
+            # for nccl's), no host sync; on gloo the work is done already.
+            work.wait()
             offset = 0
             for a, b in spans:
                 buf[a:b].copy_(flat[offset:offset + b - a])
