@@ -68,12 +68,49 @@ compat: ## another torch: make compat TORCH=2.11.0 (venv .venv-torch-2.11.0; exa
 	PYTHONPATH=$(CURDIR)/src $(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider -q \
 	  $(COMPAT_TESTS) $(PYTEST_ARGS)
 
-# PY=python3: a machine whose python3 already has CUDA torch (no venv is built then); gradsync
-# comes from this checkout's src/ either way.
+# The GPU check. `make gpu-check` runs it with .venv (CPU torch: on a machine with a GPU that is
+# a failure saying so); on a GPU machine use its own CUDA Python: `make gpu-check PY=python3`
+# installs gradsync, Hydra and pytest from the wheelhouse $(WHEELS) (make gpu-wheels, built where
+# the registry is reachable; never torch) into a private directory only the check's processes
+# see, and leaves that Python's packages alone. It needs torch and tensorboard there.
 PY ?= $(BIN)/python
+WHEELS ?= build/gpu-wheels
 GPU_CHECK_ARGS ?=
-gpu-check: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) ## GPU check (tests marked gpu, nccl, bf16/fp16, resume, LM tokens/s): outputs/gpu-check/report.md
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+# pinned by requirements.lock; PyYAML is the one binary: a wheel for each CPython 3.10-3.13 and
+# Linux x86_64/aarch64 (pure Python 3.10 needs exceptiongroup and tomli for pytest)
+GPU_WHEEL_PINS := hydra-core omegaconf antlr4-python3-runtime packaging pytest pytest-timeout \
+	pluggy iniconfig Pygments
+gpu-check: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) ## GPU check (policies on 2 ranks/GPU, nccl, resume, host syncs, memory, tokens/s): outputs/gpu-check/report.md; PY=python3 WHEELS=dir on a GPU box
+	$(if $(filter $(BIN)/python,$(PY)),PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} )$(PY) \
+	  bench/gpu_check.py $(if $(filter $(BIN)/python,$(PY)),,--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
+
+gpu-wheels: $(STAMP) ## the wheelhouse make gpu-check PY=... installs from (gradsync, Hydra, pytest; no torch): $(WHEELS)
+	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+	  --wheel-dir $(WHEELS) .
+	for pin in $(GPU_WHEEL_PINS); do grep -i "^$$pin==" requirements.lock; done > $(WHEELS)/pins.txt
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir $(WHEELS) \
+	  -r $(WHEELS)/pins.txt
+	for py in 3.10 3.11 3.12 3.13; do for plat in x86_64 aarch64; do \
+	  $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps \
+	    --only-binary=:all: --python-version $$py --platform manylinux2014_$$plat \
+	    --dest $(WHEELS) "$$(grep -i '^PyYAML==' requirements.lock)" || exit 1; done; done
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps \
+	  --only-binary=:all: --python-version 3.10 --dest $(WHEELS) exceptiongroup tomli
+	@ls $(WHEELS) | grep -c whl | xargs printf "gpu-wheels: %s wheels in $(WHEELS), "; du -sh $(WHEELS) | cut -f1
+
+# The same check on the CPU with gloo, in a Python without Hydra or pytest (.venv-gpu-dry: only
+# torch, tensorboard and numpy, at the lock's versions), from the wheelhouse: CI runs it.
+DRY_VENV := .venv-gpu-dry
+$(DRY_VENV)/.installed: requirements.lock
+	test -x $(DRY_VENV)/bin/python || $(PYTHON) -m venv $(DRY_VENV)
+	$(DRY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  -c requirements.lock torch tensorboard numpy
+	! $(DRY_VENV)/bin/python -c "import hydra" 2>/dev/null
+	touch $@
+
+gpu-check-dry: gpu-wheels $(DRY_VENV)/.installed ## every step of gpu-check on the CPU (gloo), Hydra-less Python, from the wheelhouse
+	$(DRY_VENV)/bin/python bench/gpu_check.py --dry-run --wheels $(WHEELS) $(GPU_CHECK_ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache

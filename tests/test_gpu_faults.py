@@ -110,25 +110,30 @@ def test_a_diloco_resume_restores_the_outer_momentum_onto_the_anchor():
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
-class NcclLikeWork:
-    """A nccl work as torch's ProcessGroupNCCL returns it: its future is complete as soon as
-    the collective is queued; the reduced values are there for whoever waits on the work (a
-    stream wait). Here: two ranks holding the same tensor, so the sum is twice it."""
+class NcclLikeFuture(torch.futures.Future):
+    """A nccl work's future as torch's ProcessGroupNCCL returns it: complete as soon as the
+    collective is queued; the reduced values are there for whoever waits on it (a stream wait
+    on the GPU). Here: two ranks holding the same tensor, so the sum is twice it."""
 
     def __init__(self, tensor: torch.Tensor):
+        super().__init__()
         self.tensor = tensor
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.future.set_result([tensor])
         self.waited = False
+        self.set_result([tensor])
 
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def wait(self) -> bool:
+    def wait(self):
         if not self.waited:
             self.tensor.mul_(2)  # the other rank's share arrives
             self.waited = True
-        return True
+        return super().wait()
+
+
+class NcclLikeWork:
+    def __init__(self, tensor: torch.Tensor):
+        self.future = NcclLikeFuture(tensor)
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
 
 
 class Bucket:
@@ -174,5 +179,5 @@ def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monk
     bucket = Bucket(list(model.parameters()))
     want = bucket.buffer().clone()
     out = layer_sync.grouped_allreduce(layers, bucket).wait()  # type: ignore[arg-type]
-    assert len(works) == 2 and all(w.waited for w in works)  # fp32 and bf16: one work each
+    assert len(works) == 2 and all(w.future.waited for w in works)  # fp32 and bf16: one work each
     assert out is bucket.buffer() and torch.equal(out, want)

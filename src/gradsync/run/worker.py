@@ -41,6 +41,7 @@ from gradsync.sync.averaging import float_state
 from gradsync.sync.comm import CommCounts, install_counting_hook
 from gradsync.sync.policies import Policy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
+from gradsync.torch_compat import ddp_buffer_sync
 from gradsync.train import checkpoint
 from gradsync.train import state as trainstate
 from gradsync.train.loop import LoopSettings, Parts, Progress, train
@@ -106,7 +107,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         gradient_as_bucket_view=tr.gradient_as_bucket_view,
         bucket_cap_mb=tr.bucket_cap_mb,
         # replicas that train apart keep their own buffers until the policy averages them
-        forward_sync_buffers=not policy.syncs_parameters,
+        **ddp_buffer_sync(not policy.syncs_parameters),
     )
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and tr.allreduce != "process_group":
