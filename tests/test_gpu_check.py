@@ -22,7 +22,6 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
 
 
-
 def make_gpu_check(tmp_path, env: dict) -> subprocess.CompletedProcess:
     env.pop("PYTHONPATH", None)  # the target puts this checkout's src/ on it itself
     return subprocess.run(["make", "--no-print-directory", "gpu-check", f"PY={sys.executable}",

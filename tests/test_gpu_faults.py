@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from gradsync.run.devices import WrongDevice, on_device, to_cpu
 from gradsync.sync import layer_sync
@@ -181,3 +182,43 @@ def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monk
     out = layer_sync.grouped_allreduce(layers, bucket).wait()  # type: ignore[arg-type]
     assert len(works) == 2 and all(w.future.waited for w in works)  # fp32 and bf16: one work each
     assert out is bucket.buffer() and torch.equal(out, want)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts what would wait for the GPU on a CUDA tensor (a read of its value on the host),
+    seen on the CPU through torch's function overrides."""
+
+    READS = ("__bool__", "__float__", "__int__", "item", "tolist")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_finite_check_before_a_checkpoint_reads_the_device_once():
+    """Fault 9: one read per parameter tensor at each checkpoint (fp32's finiteness check)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 4 tensors
+    with HostReads() as seen:
+        loop.require_finite_parameters(SimpleNamespace(parameters=model.parameters), step=3)
+    assert seen.reads == ["__bool__"]
+    model[0].bias.data[1] = float("nan")
+    with pytest.raises(FloatingPointError, match="after optimizer step 3"):
+        loop.require_finite_parameters(SimpleNamespace(parameters=model.parameters), step=3)
+
+
+def test_an_averaging_round_reads_the_device_once(single_process_group):
+    """Fault 9: local SGD / DiLoCo read the drift twice per round (`den > 0`, then float)."""
+    from gradsync.sync.averaging import Anchor, plain_average
+
+    model = torch.nn.Linear(3, 2)
+    anchor = Anchor.of(model)
+    with torch.no_grad():
+        model.weight.add_(0.5)
+    with HostReads() as seen:
+        drift = anchor.sync(model, plain_average, None, CommCounts())
+    assert seen.reads == ["__float__"] and drift == 0.0  # one rank: it is the mean
