@@ -172,7 +172,7 @@ def resumed_bitwise(policy: str, base_dir: str) -> dict:
         return {}
     windows = checkpoint.load(ckpt)["progress"]["windows"]
     params = [k for k, v in through["params"].items() if not torch.equal(v, resumed["params"][k])]
-    return {"steps": through["summary"]["optimizer_steps"],
+    return {"windows": through["summary"]["windows"],
             "params_differ": params,
             "rows_equal": rows_key(resumed["rows"]) == rows_key(through["rows"])[windows:],
             "drift_rows": sum("replica_drift" in r for r in through["rows"]),
