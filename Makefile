@@ -84,7 +84,7 @@ gpu-check: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) ## GPU check (policies o
 	$(if $(filter $(BIN)/python,$(PY)),PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} )$(PY) \
 	  bench/gpu_check.py $(if $(filter $(BIN)/python,$(PY)),,--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
 
-gpu-wheels: $(STAMP) ## the wheelhouse make gpu-check PY=... installs from (gradsync, Hydra, pytest; no torch): $(WHEELS)
+gpu-wheels: $(STAMP) ## the wheelhouse make gpu-check PY=... installs from (gradsync, Hydra, pytest; no torch): build/gpu-wheels
 	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
 	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
 	  --wheel-dir $(WHEELS) .
@@ -116,5 +116,5 @@ clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -not -path './$(VENV)/*' -exec rm -rf {} +
 
-distclean: clean ## also remove the virtual environment
-	rm -rf $(VENV)
+distclean: clean ## also remove the virtual environments and the GPU wheelhouse
+	rm -rf $(VENV) $(DRY_VENV) .venv-torch-* build/gpu-wheels
