@@ -1,32 +1,47 @@
 """`make gpu-check`: what gradsync does on the GPUs of this machine, in one Markdown report
-(outputs/gpu-check/report.md). Exits 0 after saying why where CUDA is absent.
+(outputs/gpu-check/report.md).
 
-1. the tests marked `gpu` (tests/test_gpu.py: no host sync in the hot path under
-   torch.cuda.set_sync_debug_mode("error"), PowerSGD and the CUDA generator, CPU-only
-   checkpoints, device errors);
-2. the default experiment on nccl with every visible GPU, while nvidia-smi (or pynvml) shows
-   which process holds a context on which GPU: each rank on its own GPU only, the launcher
-   on none;
+0. the environment: on a machine that shows a GPU (nvidia-smi on PATH, or /dev/nvidia*), a
+   CPU-only torch or a driver torch cannot use is a FAILURE with the reason; without a GPU the
+   check says so and exits 0;
+1. the tests marked `gpu` (tests/test_gpu.py: every policy on 2 ranks sharing one GPU through a
+   `cuda:gloo` group and on a 1-rank nccl group, each resumed bitwise; the nccl faults; no host
+   sync in the hot path);
+2. the default experiment's model on nccl with every visible GPU (synthetic data: no
+   scikit-learn needed), while nvidia-smi (or pynvml) shows which process holds a context on
+   which GPU: each rank on its own GPU only, the launcher on none; the same job under torchrun;
 3. bf16 and fp16 runs (bf16 refused where the GPU only emulates it);
 4. kill -9 and resume=auto, bitwise against an uninterrupted run (trainer.deterministic=true);
-5. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
-   data (the ratio is the figure).
+5. per policy: host syncs per optimizer step (torch.cuda.set_sync_debug_mode("warn"), each
+   site listed against the documented ones) and peak GPU memory;
+6. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
+   data, both timed between two torch.cuda.synchronize() (the ratio is the figure).
+
+`--wheels DIR` (make gpu-check PY=python3): gradsync, Hydra, pytest and their pure-Python
+dependencies are installed from that wheelhouse (make gpu-wheels) into a private directory
+(pip --target, no registry) that only this check's processes see: the Python's own packages are
+not touched; it needs torch and tensorboard. `--dry-run` (make gpu-check-dry): every step on the
+CPU with gloo, so CI proves the script itself works before it meets a GPU.
 
 This process never touches CUDA beyond counting the GPUs and reading their properties (no
-context): every GPU computation runs in a child process. Runs with the Python it is started
-with (`make gpu-check PY=python3`), with gradsync from this checkout's src/ on PYTHONPATH.
+context): every GPU computation runs in a child process.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
+import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +50,12 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "outputs" / "gpu-check"
 RUN_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "SUBMITIT_EXECUTOR", "HYDRA_FULL_ERROR")
+# What the wheelhouse (make gpu-wheels) holds and --wheels installs: never torch, numpy or
+# tensorboard (the GPU machine's own).
+WHEEL_REQUIREMENTS = ("gradsync", "hydra-core", "omegaconf", "antlr4-python3-runtime", "PyYAML",
+                      "packaging", "pytest", "pytest-timeout", "pluggy", "iniconfig", "Pygments",
+                      "exceptiongroup; python_version < '3.11'",
+                      "tomli; python_version < '3.11'")
 
 
 @dataclass
@@ -64,7 +85,9 @@ class Report:
             out += [f"| {c.name} | {c.status} |" for c in self.checks]
             for c in self.checks:
                 out += ["", f"## {c.name}: {c.status}", ""]
-                out += [f"- {line}" for line in c.lines] or ["- (nothing recorded)"]
+                # a table's rows (and the blank lines around it) go as they are
+                out += [line if line.startswith("|") or not line else f"- {line}"
+                        for line in c.lines] or ["- (nothing recorded)"]
         return "\n".join(out).rstrip("\n") + "\n"
 
     def write(self, out_dir: Path) -> Path:
@@ -78,19 +101,46 @@ class Report:
         return [c.name for c in self.checks if c.status == "FAIL"]
 
 
+@dataclass
+class Target:
+    """Where the runs go: nccl on every GPU, or (--dry-run) gloo on 2 CPU ranks."""
+
+    dry: bool
+    gpus: int  # visible GPUs (0 in a dry run)
+    site: Path | None = None  # the private directory --wheels installed into
+
+    @property
+    def backend(self) -> str:
+        return "gloo" if self.dry else "nccl"
+
+    @property
+    def ranks(self) -> int:
+        return 2 if self.dry else self.gpus
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry else "cuda"
+
+
+TARGET = Target(dry=False, gpus=0)
+
+
 def child_env() -> dict[str, str]:
-    """The environment of gradsync-train children: gradsync from this checkout, not a rank."""
+    """The environment of this check's children: not a rank of anything; gradsync, Hydra and
+    pytest from the private directory (--wheels), else from this checkout's src/."""
     env = {k: v for k, v in os.environ.items()
            if k not in RUN_ENV_KEYS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+    first = [str(TARGET.site)] if TARGET.site else [str(REPO / "src")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*first, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    extra = ["trainer.threads_per_worker=1"] if TARGET.dry else []
     return [sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
-            "trainer.progress_bar=false", "trainer.backend=nccl", *overrides]
+            "trainer.progress_bar=false", f"trainer.backend={TARGET.backend}", *extra,
+            *overrides]
 
 
 def train(run_dir: Path, *overrides: str, timeout: float = 240) -> tuple[int, str, dict]:
@@ -106,36 +156,102 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def skip_reason() -> str | None:
+# --- 0. the environment -----------------------------------------------------------------------
+def gpu_hardware() -> str | None:
+    """What shows that this machine has an NVIDIA GPU, asked without CUDA."""
+    if shutil.which("nvidia-smi"):
+        return "nvidia-smi is on PATH"
+    nodes = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    return f"{', '.join(nodes)} exist" if nodes else None
+
+
+def cuda_problem() -> tuple[str, str] | None:
+    """None where CUDA is usable, else ("skip" | "fail", why): a machine without a GPU skips; a
+    machine that shows one fails when torch cannot use it."""
     try:
         import torch
-    except ImportError:
-        return f"torch is not importable by {sys.executable}"
-    if not torch.cuda.is_available():
-        return (f"CUDA absent: torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
-                "sees no GPU")
-    return None
+    except ImportError as e:
+        return "fail", f"torch is not importable by {sys.executable}: {e}"
+    with warnings.catch_warnings(record=True) as caught:  # torch says why CUDA is unusable
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()  # NVML / cudaGetDeviceCount: no context
+    if available:
+        return None
+    build = f"torch {torch.__version__} (CUDA build: {torch.version.cuda})"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hardware = gpu_hardware()
+    if hardware is None:
+        return "skip", (f"CUDA absent: {build} sees no GPU, and this machine shows none "
+                        "(no nvidia-smi, no /dev/nvidia*)")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return "skip", f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU from {build}"
+    if torch.version.cuda is None:
+        return "fail", (f"this machine has a GPU ({hardware}) but {build} at {sys.executable} "
+                        "is a CPU-only build: run with a Python whose torch is a CUDA build "
+                        "(make gpu-check PY=/path/to/python)")
+    said = "; ".join(sorted({str(w.message).strip().splitlines()[0] for w in caught}))
+    return "fail", (f"this machine has a GPU ({hardware}) but {build} cannot use it: "
+                    + (said or "torch.cuda.is_available() is False (a driver older than this "
+                       "CUDA build needs, or no device node)"))
+
+
+# --- the private install ----------------------------------------------------------------------
+def install_wheels(wheels: Path, site: Path) -> str:
+    """WHEEL_REQUIREMENTS from the wheelhouse into `site` (no registry, no dependencies looked
+    up elsewhere), with pip --target; a Python without pip gets the matching wheels unpacked.
+    Returns how."""
+    if not wheels.is_dir():
+        raise RuntimeError(f"no wheelhouse at {wheels}: run `make gpu-wheels` where the registry "
+                           "is reachable and bring its directory along (WHEELS=<dir>)")
+    shutil.rmtree(site, ignore_errors=True)
+    has_pip = subprocess.run([sys.executable, "-m", "pip", "--version"],
+                             capture_output=True).returncode == 0
+    if has_pip:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "--no-index", "--no-deps", "--find-links", str(wheels), "--target", str(site),
+             "--no-warn-script-location", *WHEEL_REQUIREMENTS],
+            capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"pip install --target {site} failed: {last_line(done.stderr)}")
+        return f"pip install --no-index --target {site} from {wheels}"
+    unpacked = unpack_wheels(wheels, site)
+    return f"no pip for {sys.executable}: unpacked {len(unpacked)} wheels from {wheels} into {site}"
+
+
+def unpack_wheels(wheels: Path, site: Path) -> list[str]:
+    """A wheel is a zip of what goes into site-packages: the pure ones, and of each binary
+    one the build for this interpreter and machine."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    machine = platform.machine()
+    chosen = []
+    for whl in sorted(wheels.glob("*.whl")):
+        name, _, rest = whl.stem.partition("-")
+        if name.lower().replace("_", "-") in ("exceptiongroup", "tomli") and \
+                sys.version_info >= (3, 11):
+            continue
+        pure = rest.endswith("py3-none-any") or rest.endswith("py2.py3-none-any")
+        if pure or (f"-{tag}-{tag}-" in f"-{rest}" and machine in rest):
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(site)
+            chosen.append(whl.name)
+    return chosen
 
 
 # --- 1. the tests marked gpu ------------------------------------------------------------------
 def gpu_tests(check: Check) -> None:
-    try:
-        import pytest  # noqa: F401
-    except ImportError:
-        check.status = "skipped"
-        check.lines.append(f"pytest is not installed for {sys.executable}: "
-                           "`pip install pytest pytest-timeout` to run tests/test_gpu.py")
-        return
     done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p",
                            "no:cacheprovider", "tests/test_gpu.py"], capture_output=True,
-                          text=True, env=child_env(), cwd=REPO, timeout=600)
-    check.done(done.returncode == 0, f"`pytest -m gpu tests/test_gpu.py`: "
-               f"{last_line(done.stdout)} (exit code {done.returncode})")
-    if done.returncode != 0:
+                          text=True, env=child_env(), cwd=REPO, timeout=900)
+    ok = done.returncode == 0 if not TARGET.dry else done.returncode in (0, 5)
+    check.done(ok, f"`pytest -m gpu tests/test_gpu.py`: {last_line(done.stdout)} "
+               f"(exit code {done.returncode})"
+               + (" (dry run: they skip without CUDA, saying so)" if TARGET.dry else ""))
+    if done.returncode != 0 and not (TARGET.dry and done.returncode == 5):
         check.lines += ["```", *done.stdout.strip().splitlines()[-30:], "```"]
 
 
-# --- 2. the default experiment and who holds a context where -----------------------------------
+# --- 2. the default model on every GPU, who holds a context where; torchrun -------------------
 def gpu_uuids() -> list[str]:
     """torch's device index -> GPU UUID (as nvidia-smi writes it), read without a context."""
     import torch
@@ -182,16 +298,20 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
     return pids
 
 
-def default_experiment(check: Check, n: int, out: Path) -> None:
+DEFAULT = ["data=synthetic", "trainer.max_epochs=2"]  # the default MLP; no scikit-learn
+
+
+def default_experiment(check: Check, out: Path) -> None:
+    n = TARGET.ranks
     run_dir = out / "default"
-    proc = subprocess.Popen(train_cmd(run_dir, f"trainer.devices={n}"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(train_cmd(run_dir, f"trainer.devices={n}", *DEFAULT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(), cwd=REPO, start_new_session=True)
     seen: set[tuple[int, str]] = set()
     tool = None
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        apps = compute_apps()
+        apps = None if TARGET.dry else compute_apps()
         if apps:
             tool = apps[0]
             seen |= set(apps[1])
@@ -202,20 +322,27 @@ def default_experiment(check: Check, n: int, out: Path) -> None:
     summary_path = run_dir / "summary.json"
     s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     ok = proc.returncode == 0 and s.get("status") == "completed"
-    check.done(ok, f"`gradsync-train trainer.backend=nccl trainer.devices={n}` (digits, MLP, "
-               f"accumulate N=4): exit code {proc.returncode}"
+    check.done(ok, f"`gradsync-train trainer.backend={TARGET.backend} trainer.devices={n} "
+               f"{' '.join(DEFAULT)}` (MLP, accumulate N=4): exit code {proc.returncode}"
                + ("" if ok else f": {last_line(err)}"))
     if ok:
         evals = ", ".join(f"{k}={v:.4f}" for k, v in s["eval"].items())
         check.lines += [f"steps={s['optimizer_steps']} eval: {evals}",
-                        f"samples/s={s['samples_per_s']:.0f}, train_s={s['train_s']:.1f}, "
-                        f"wall_s={s.get('wall_s', 0):.1f}, device={s['device']}",
-                        f"peak GPU memory per rank (MB): {s['peak_gpu_mem_mb']}",
-                        f"threads per rank: {s['threads']}"]
-    # contexts: rank r's process on torch device r's GPU only; the launcher on none
+                        f"device={s['device']}, peak GPU memory per rank (MB): "
+                        f"{s['peak_gpu_mem_mb']}, threads per rank: {s['threads']}"]
+    torchrun(check, out)
+    if TARGET.dry:
+        check.lines.append("contexts: dry run: no GPU, no context to list")
+        return
+    contexts(check, run_dir, proc.pid, tool, seen)
+
+
+def contexts(check: Check, run_dir: Path, launcher: int, tool: str | None,
+             seen: set[tuple[int, str]]) -> None:
+    """Rank r's process on torch device r's GPU only; the launcher and this checker on none."""
     pids = rank_pids(run_dir)
     uuids = gpu_uuids()
-    ours = set(pids.values()) | {proc.pid, os.getpid()}
+    ours = set(pids.values()) | {launcher, os.getpid()}
     if tool is None:
         check.lines.append("contexts: NOT VERIFIED: neither nvidia-smi nor pynvml could list "
                            "compute processes")
@@ -233,7 +360,7 @@ def default_experiment(check: Check, n: int, out: Path) -> None:
         want = [uuids[rank]] if rank < len(uuids) and uuids[rank] else where[:1]
         if where != want:
             bad.append(f"rank {rank} (pid {pid}) on {where}, expected {want}")
-    for who, pid in (("launcher", proc.pid), ("this checker", os.getpid())):
+    for who, pid in (("launcher", launcher), ("this checker", os.getpid())):
         where = sorted({u for p, u in seen if p == pid})
         if where:
             bad.append(f"the {who} (pid {pid}) holds a context on {where}")
@@ -243,16 +370,40 @@ def default_experiment(check: Check, n: int, out: Path) -> None:
         check.status = "FAIL"
 
 
-# --- 3. bf16 and fp16 -------------------------------------------------------------------------
-def precisions(check: Check, n: int, out: Path) -> None:
-    import torch
+def torchrun(check: Check, out: Path) -> None:
+    """The same job as torchrun ranks (env://), the path a cluster takes."""
+    import socket
 
-    native_bf16 = all(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(n))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run_dir = out / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={TARGET.ranks}",
+           f"--master-port={port}", *train_cmd(run_dir, *DEFAULT)[1:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO,
+                          timeout=300)
+    path = run_dir / "summary.json"
+    s = json.loads(path.read_text()) if path.exists() else {}
+    ok = done.returncode == 0 and s.get("status") == "completed"
+    check.lines.append(f"torchrun --nproc-per-node={TARGET.ranks}: exit code {done.returncode}"
+                       + (f", world_size={s['world_size']}, steps={s['optimizer_steps']}"
+                          if ok else f": {last_line(done.stderr)}"))
+    if not ok:
+        check.status = "FAIL"
+
+
+# --- 3. bf16 and fp16 -------------------------------------------------------------------------
+def precisions(check: Check, out: Path) -> None:
+    n = TARGET.ranks
+    native_bf16 = TARGET.dry or all(capability(i) >= (8, 0) for i in range(n))
     ok = True
     for name, extra in (("bf16", ["precision=bf16", "sync=amp_aware"]),
                         ("fp16", ["precision=fp16", "sync=amp_aware",
                                   "sync.comm_dtype=fp16"])):
-        code, err, s = train(out / name, f"trainer.devices={n}", "trainer.max_epochs=5", *extra)
+        if TARGET.dry and name == "fp16":
+            check.lines.append("fp16: dry run: the GradScaler runs on CUDA only")
+            continue
+        code, err, s = train(out / name, f"trainer.devices={n}", *DEFAULT, *extra)
         if name == "bf16" and not native_bf16:
             good = code == 2 and "is not native" in err
             check.lines.append(f"bf16: refused as the GPU only emulates it: {last_line(err)}")
@@ -261,12 +412,17 @@ def precisions(check: Check, n: int, out: Path) -> None:
             check.lines.append(
                 f"{name} ({' '.join(extra)}): " + (
                     f"final_train_loss={s['final_train_loss']:.4f}, "
-                    f"eval_accuracy={s['eval'].get('accuracy', float('nan')):.4f}, "
                     f"skipped steps={s['amp_skipped_steps']}, "
                     f"samples/s={s['samples_per_s']:.0f}" if good else
                     f"exit code {code}: {last_line(err)}"))
         ok = ok and good
     check.done(ok)
+
+
+def capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 # --- 4. kill -9 and resume, bitwise ------------------------------------------------------------
@@ -280,10 +436,10 @@ def rows(run_dir: Path) -> list[tuple]:
     return [(r["step"], float(r["loss"]).hex()) for r in map(json.loads, lines)]
 
 
-def kill_and_resume(check: Check, n: int, out: Path) -> None:
+def kill_and_resume(check: Check, out: Path) -> None:
     import torch
 
-    args = [f"trainer.devices={n}", *RESUME_ARGS]
+    args = [f"trainer.devices={TARGET.ranks}", *RESUME_ARGS]
     code, err, _ = train(out / "uninterrupted", *args)
     if code != 0:
         check.done(False, f"uninterrupted run: exit code {code}: {last_line(err)}")
@@ -318,8 +474,154 @@ def kill_and_resume(check: Check, n: int, out: Path) -> None:
                f"every step's loss bitwise equal: {same_rows}")
 
 
-# --- 5. LM tokens/s next to a hand-written loop ------------------------------------------------
-LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0", "trainer.max_epochs=4"]
+# --- 5. host syncs and peak memory per policy --------------------------------------------------
+# Each policy's documented host reads outside logging, checkpoint and check_replicas steps
+# (docs/gpus-and-slurm.md), as the source lines that make them: any other site is a FAILURE.
+DOCUMENTED_SITES = {
+    "fp16 GradScaler (one read of its inf/nan flags per window)":
+        ("gradsync/train/precision.py", "torch/amp/grad_scaler.py"),
+    "amp_aware fp16 overflow consensus (one read per no_sync backward)":
+        ("gradsync/sync/policies.py",),
+    "local SGD / DiLoCo (one read of the drift per averaging round)":
+        ("gradsync/sync/averaging.py",),
+    "PowerSGD (torch's hook synchronizes the device every compressed backward, and copies its "
+    "random Q from pageable memory when it (re)starts)":
+        ("ddp_comm_hooks/powerSGD_hook.py",),
+}
+# (label, overrides, host reads documented per window of ACCUM micro-batches, in WINDOWS windows)
+ACCUM, WINDOWS = 2, 8
+POLICIES: list[tuple[str, list[str], str]] = [
+    ("always", ["sync=always"], "0"),
+    ("accumulate", [], "0"),
+    ("amp_aware bf16 wire", ["sync=amp_aware", "sync.comm_dtype=bf16"], "0"),
+    ("amp_aware fp16 wire", ["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"],
+     f"{ACCUM} (the scaler's read, and one per no_sync backward)"),
+    ("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"],
+     "1 (torch's hook), +1 at its first compressed window"),
+    ("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], "1/2 (one per averaging)"),
+    ("DiLoCo (every 2)", ["sync=diloco", "sync.every=2"], "1/2 (one per averaging)"),
+    ("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], "0"),
+    ("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], "0"),
+]
+
+
+def policy_costs(check: Check, out: Path) -> None:
+    done = subprocess.run([sys.executable, __file__, "--policy-costs", str(out / "costs.json"),
+                           *(["--dry-run"] if TARGET.dry else [])], capture_output=True,
+                          text=True, env=child_env(), cwd=REPO, timeout=600)
+    if done.returncode != 0:
+        check.done(False, f"the policy runs failed: {last_line(done.stderr)}")
+        check.lines += ["```", *done.stderr.strip().splitlines()[-20:], "```"]
+        return
+    costs = json.loads((out / "costs.json").read_text())
+    allowed = [s for sites in DOCUMENTED_SITES.values() for s in sites]
+    ok = True
+    check.lines.append(f"{WINDOWS} windows of {ACCUM} micro-batches per policy on one rank "
+                       f"({TARGET.backend}), after 2 set-up windows; host syncs counted with "
+                       "torch.cuda.set_sync_debug_mode('warn')"
+                       + (" (dry run: the CPU has no host syncs to count)" if TARGET.dry else ""))
+    check.lines += ["", "| policy | host syncs / window | documented | peak GPU MB | sites |",
+                    "|---|---|---|---|---|"]
+    for label, _, documented in POLICIES:
+        c = costs[label]
+        sites = ", ".join(f"{s} x{n}" for s, n in sorted(c["sites"].items())) or "none"
+        unexpected = [s for s in c["sites"] if not any(a in s for a in allowed)]
+        ok = ok and not unexpected
+        peak = "n/a" if c["peak_mb"] is None else f"{c['peak_mb']:.1f}"
+        flag = f" (UNDOCUMENTED: {', '.join(unexpected)})" if unexpected else ""
+        check.lines.append(f"| {label} | {c['syncs'] / WINDOWS:.2f} | {documented} | {peak} | "
+                           f"{sites}{flag} |")
+    # a sync in a thread that is not in a Python call (the autograd engine's C++ code) is
+    # reported by torch on stderr instead of as a Python warning: counted here, all policies
+    hidden = done.stderr.count("synchronizing CUDA operation")
+    check.lines += ["", f"syncs reported on stderr (outside Python calls), all policies: {hidden}"]
+    check.lines += ["documented sites: " + "; ".join(
+        f"{what}: {', '.join(sites)}" for what, sites in DOCUMENTED_SITES.items())]
+    check.status = "pass" if ok else "FAIL"
+
+
+def measure_policies(path: Path) -> None:
+    """Child process: each policy on a 1-rank group (nccl on cuda:0; gloo on the CPU in a dry
+    run), counting host syncs (measure_policy)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = not TARGET.dry
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    results = {label: measure_policy(overrides, device) for label, overrides, _ in POLICIES}
+    dist.destroy_process_group()
+    path.write_text(json.dumps(results))
+
+
+def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
+    """2 set-up windows, then WINDOWS windows as train() runs them between two log steps
+    (run_window, optimizer_step, the policy's after_window), under set_sync_debug_mode("warn"):
+    the host syncs, by source line, and the peak of allocated GPU memory."""
+    import torch
+
+    from gradsync.config.schema import RunConfig
+    from gradsync.config.validate import validate
+    from gradsync.data.bundle import epoch_batches
+    from gradsync.run.main import compose_plain
+    from gradsync.run.placement import Placement
+    from gradsync.run.worker import build_parts
+    from gradsync.train.loop import optimizer_step, run_window
+    from gradsync.train.schedules import Shard, plan_epoch
+
+    cuda = device.type == "cuda"
+    if not cuda and "precision=fp16" in overrides:  # the GradScaler: CUDA only
+        return {"syncs": 0, "sites": {}, "peak_mb": None}
+    cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
+                         "data=synthetic", "data.num_samples=2048",
+                         f"schedule.accum_steps={ACCUM}", *overrides])
+    validate(cfg, Placement(TARGET.backend, 1))
+    p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
+    shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
+    plan = plan_epoch(shard, p.micro_batch_size, ACCUM)
+    batches = epoch_batches(p.loader, 0)
+    p.policy.start(p.engine.module, 0)
+
+    def window(k: int) -> None:
+        run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
+                   p.normalizer)
+        optimizer_step(p, want_norm=False)
+        p.policy.after_window(p.engine.module, k + 1)
+
+    for k in range(2):
+        window(k)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for k in range(2, 2 + WINDOWS):
+                window(k)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    sites: Counter[str] = Counter()
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = "/".join(str(w.filename).replace(os.sep, "/").split("/")[-3:])
+            sites[f"{where}:{w.lineno}"] += 1
+    return {"syncs": sum(sites.values()), "sites": dict(sites),
+            "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
+
+
+# --- 6. LM tokens/s next to a hand-written loop ------------------------------------------------
+LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0"]
+LM_DRY = ["data.num_samples=128"]  # the CPU: a taste, not a measurement
+
+
+def lm_overrides() -> list[str]:
+    return [*LM, *(LM_DRY if TARGET.dry else [])]
 
 
 def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
@@ -331,11 +633,18 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     from gradsync.run.main import compose_plain
     from gradsync.train.repro import seed_everything
 
-    cfg = compose_plain(LM)
+    cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])
     data = build(cfg["data"], {"seed": cfg["seed"]}, extra=("micro_batch_size",))
     model = build(cfg["model"], data.sizes).to(torch.device(device))
     return data, model, build(cfg["optimizer"])(model.parameters()), cfg
+
+
+def synchronize() -> None:
+    import torch
+
+    if not TARGET.dry:
+        torch.cuda.synchronize()
 
 
 def handwritten_lm(epochs: int) -> dict[str, Any]:
@@ -343,13 +652,13 @@ def handwritten_lm(epochs: int) -> dict[str, Any]:
     of 8) on one GPU, written by hand: no DDP, no policies, no logging."""
     import torch
 
-    device = torch.device("cuda", 0)
+    device = torch.device(TARGET.device, 0) if not TARGET.dry else torch.device("cpu")
     data, model, opt, cfg = lm_parts(device)
     micro = cfg["data"]["micro_batch_size"]
     accum = cfg["schedule"]["global_batch_size"] // micro
     loader = torch.utils.data.DataLoader(data.train, batch_size=micro, shuffle=True,
-                                         collate_fn=data.collate, pin_memory=True)
-    torch.cuda.synchronize()
+                                         collate_fn=data.collate, pin_memory=not TARGET.dry)
+    synchronize()
     start = time.perf_counter()
     for _ in range(epochs):
         for i, (x, y) in enumerate(loader):
@@ -359,43 +668,91 @@ def handwritten_lm(epochs: int) -> dict[str, Any]:
             if (i + 1) % accum == 0 or i + 1 == len(loader):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    synchronize()
     elapsed = time.perf_counter() - start
     targets = epochs * data.tokens_per_sample * len(data.train)
     return {"tokens_per_s": targets / elapsed, "seconds": elapsed}
 
 
-def lm_throughput(check: Check, out: Path) -> None:
-    code, err, s = train(out / "lm", "trainer.devices=1", *LM)
-    if code != 0:
-        check.done(False, f"gradsync LM run: exit code {code}: {last_line(err)}")
-        return
-    data, _, _, _ = lm_parts("cpu")
-    ours = s["samples_per_s"] * data.tokens_per_sample
-    done = subprocess.run([sys.executable, __file__, "--handwritten-lm", str(LM_EPOCHS)],
-                          capture_output=True, text=True, env=child_env(), cwd=REPO,
-                          timeout=300)
-    if done.returncode != 0:
-        check.done(False, f"hand-written loop failed: {last_line(done.stderr)}")
-        return
-    hand = json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
-    check.done(True, f"gradsync (experiment=lm_accum_sweep, 1 GPU, {LM_EPOCHS} epochs): "
-               f"{ours:,.0f} target tokens/s",
-               f"hand-written single-GPU loop, same model/data/optimizer/window: "
-               f"{hand:,.0f} target tokens/s",
-               f"ratio gradsync / hand-written: {ours / hand:.2f}")
+def gradsync_lm(epochs: int) -> dict[str, Any]:
+    """gradsync's loop (train(): windows, policy, logging steps) on the same model, data and
+    window on a 1-rank group, timed like the hand-written one: between two synchronizes
+    (train_s in summary.json is host time: a GPU still busy at its end falls outside)."""
+    import tempfile
 
-
-LM_EPOCHS = 4
-
-
-def header() -> list[str]:
     import torch
+    import torch.distributed as dist
+
+    from gradsync.config.schema import RunConfig
+    from gradsync.run.main import compose_plain
+    from gradsync.run.worker import build_parts
+    from gradsync.train.loop import Progress
+    from gradsync.train.loop import train as train_loop
+    from gradsync.train.metrics import RunLog
+
+    device = torch.device("cpu") if TARGET.dry else torch.device("cuda", 0)
+    if not TARGET.dry:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(TARGET.backend, store=store, rank=0, world_size=1)
+    cfg = compose_plain([*lm_overrides(), f"trainer.max_epochs={epochs}", "trainer.devices=1",
+                         f"trainer.backend={TARGET.backend}"])
+    p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
+    p.evaluate = dict  # the final evaluation is not training
+    with tempfile.TemporaryDirectory() as tmp:
+        log = RunLog(Path(tmp), active=False)
+        synchronize()
+        start = time.perf_counter()
+        state = train_loop(p, Progress(), log)
+        synchronize()
+        elapsed = time.perf_counter() - start
+    data = p.sampler.dataset
+    tokens = epochs * cfg_tokens(p) * len(data)  # type: ignore[arg-type]
+    dist.destroy_process_group()
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "steps": state.step}
+
+
+def cfg_tokens(p: Any) -> float:
+    """Target tokens per sample of the LM data (the normaliser knows them)."""
+    return float(p.normalizer.tokens_per_sample)
+
+
+def lm_throughput(check: Check, epochs: int) -> None:
+    out = {}
+    for side in ("gradsync", "handwritten"):
+        done = subprocess.run([sys.executable, __file__, f"--{side}-lm", str(epochs),
+                               *(["--dry-run"] if TARGET.dry else [])], capture_output=True,
+                              text=True, env=child_env(), cwd=REPO, timeout=600)
+        if done.returncode != 0:
+            check.done(False, f"{side} loop failed: {last_line(done.stderr)}")
+            return
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, hand = out["gradsync"]["tokens_per_s"], out["handwritten"]["tokens_per_s"]
+    check.done(True, f"gradsync's loop (experiment=lm_accum_sweep, 1 "
+               f"{'CPU rank' if TARGET.dry else 'GPU'}, {epochs} epochs, "
+               f"{out['gradsync']['steps']} steps): {ours:,.0f} target tokens/s "
+               f"({out['gradsync']['seconds']:.1f} s)",
+               f"hand-written loop, same model/data/optimizer/window: {hand:,.0f} target "
+               f"tokens/s ({out['handwritten']['seconds']:.1f} s)",
+               f"ratio gradsync / hand-written: {ours / hand:.2f}; both timed between two "
+               "torch.cuda.synchronize()" + (" (dry run: CPU, a taste)" if TARGET.dry else ""))
+
+
+LM_EPOCHS = 2
+
+
+def header(how: str) -> list[str]:
+    import torch
+
+    import gradsync
 
     lines = [f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, host {platform.node()}",
              f"- python {platform.python_version()} ({sys.executable}), torch {torch.__version__}"
-             f", CUDA {torch.version.cuda}"]
-    if torch.cuda.is_available():
+             f", CUDA {torch.version.cuda}",
+             f"- gradsync from {Path(gradsync.__file__).parent}; {how}"]
+    if TARGET.dry:
+        lines.append("- DRY RUN: every step on the CPU with gloo (2 ranks); no GPU was used")
+    else:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             lines.append(f"- cuda:{i}: {p.name}, compute capability {p.major}.{p.minor}, "
@@ -404,29 +761,60 @@ def header() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=OUT, help="where report.md and the runs go")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="where report.md and the runs go "
+                    "(default outputs/gpu-check, or outputs/gpu-check-dry)")
+    ap.add_argument("--wheels", type=Path, help="install gradsync, Hydra and pytest from this "
+                    "wheelhouse into a private directory first (make gpu-wheels)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every step on the CPU with gloo (CI: the script itself works)")
     ap.add_argument("--handwritten-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
+    ap.add_argument("--gradsync-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
+    ap.add_argument("--policy-costs", type=Path, metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.handwritten_lm:
-        print(json.dumps(handwritten_lm(args.handwritten_lm)))
+    TARGET.dry = args.dry_run
+    for flag, fn in ((args.handwritten_lm, handwritten_lm), (args.gradsync_lm, gradsync_lm)):
+        if flag:
+            print(json.dumps(fn(flag)))
+            return 0
+    if args.policy_costs:
+        measure_policies(args.policy_costs)
         return 0
-    why = skip_reason()
-    if why is not None:
-        report = Report([f"- skipped: {why}; nothing was run."])
-        path = report.write(args.out)
-        print(f"gpu-check: skipped: {why} (report: {path})")
-        return 0
-    import torch
+    out: Path = args.out or OUT.with_name("gpu-check-dry" if TARGET.dry else "gpu-check")
+    problem = None if TARGET.dry else cuda_problem()
+    if problem is not None:
+        kind, why = problem
+        word = "skipped" if kind == "skip" else "FAILED"
+        Report([f"- {word}: {why}; nothing was run."]).write(out)
+        print(f"gpu-check: {word}: {why} (report: {out / 'report.md'})")
+        return 0 if kind == "skip" else 1
+    how = "gradsync from this checkout's src/"
+    if args.wheels:
+        site = out / "site"
+        try:
+            how = install_wheels(args.wheels.resolve(), site)
+        except RuntimeError as e:
+            Report([f"- FAILED: {e}; nothing was run."]).write(out)
+            print(f"gpu-check: FAILED: {e}")
+            return 1
+        TARGET.site = site
+        sys.path.insert(0, str(site))
+    for stale in ("default", "torchrun", "bf16", "fp16", "uninterrupted", "killed"):
+        shutil.rmtree(out / stale, ignore_errors=True)  # a run dir is never resumed by accident
+    if not TARGET.dry:
+        import torch
 
-    n = torch.cuda.device_count()
-    report = Report(header())
-    steps = [("tests marked gpu", lambda c: gpu_tests(c)),
-             (f"default experiment on nccl, {n} GPU(s), contexts",
-              lambda c: default_experiment(c, n, args.out)),
-             ("bf16 and fp16", lambda c: precisions(c, n, args.out)),
-             ("kill -9 and resume, bitwise", lambda c: kill_and_resume(c, n, args.out)),
-             ("LM tokens/s vs a hand-written loop", lambda c: lm_throughput(c, args.out))]
+        TARGET.gpus = torch.cuda.device_count()
+    report = Report(header(how))
+    steps = [("tests marked gpu", gpu_tests),
+             (f"default model on {TARGET.backend}, {TARGET.ranks} rank(s), torchrun, contexts",
+              lambda c: default_experiment(c, out)),
+             ("bf16 and fp16", lambda c: precisions(c, out)),
+             ("kill -9 and resume, bitwise", lambda c: kill_and_resume(c, out)),
+             ("host syncs and peak GPU memory per policy", lambda c: policy_costs(c, out)),
+             ("LM tokens/s vs a hand-written loop",
+              lambda c: lm_throughput(c, 1 if TARGET.dry else LM_EPOCHS))]
+    started_all = time.monotonic()
     for name, step in steps:
         check = report.add(name)
         started = time.monotonic()
@@ -435,9 +823,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken check does not hide the others
             check.done(False, f"{type(e).__name__}: {e}")
         check.lines.append(f"({time.monotonic() - started:.0f} s)")
-        report.write(args.out)  # as it goes: a check that hangs leaves the others on record
+        report.write(out)  # as it goes: a check that hangs leaves the others on record
         print(f"gpu-check: {name}: {check.status}", flush=True)
-    path = report.write(args.out)
+    report.header.append(f"- the whole check: {time.monotonic() - started_all:.0f} s")
+    path = report.write(out)
     print(f"gpu-check: report in {path}")
     return 1 if report.failed else 0
 

@@ -14,12 +14,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _serve(rank: int, world: int, port: int, tasks, results) -> None:
+def _serve(rank: int, world: int, port: int, tasks, results, backend: str = "gloo",
+           setup: str | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if setup:  # "module:function", called in the rank before its process group exists
+        module, name = setup.split(":")
+        getattr(importlib.import_module(module), name)()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     while True:
         task = tasks.get()
@@ -35,7 +39,10 @@ def _serve(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class DistPool:
-    def __init__(self, world_size: int = 2):
+    """backend: the default group's (tests/test_gpu.py: "cuda:gloo", CUDA tensors only);
+    setup: "module:function" each rank calls first."""
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", setup: str | None = None):
         self.world = world_size
         ctx = mp.get_context("spawn")
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
@@ -44,7 +51,8 @@ class DistPool:
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(target=_serve, daemon=True,
-                        args=(r, world_size, self.store.port, self.tasks[r], self.results))
+                        args=(r, world_size, self.store.port, self.tasks[r], self.results,
+                              backend, setup))
             for r in range(world_size)
         ]
         for proc in self.procs:

@@ -1,11 +1,16 @@
-"""GPU cases that need a process of their own (a one-rank nccl group, a fresh CUDA state):
-`python tests/gpu_cases.py <case> [args]` prints one JSON line. Run by tests/test_gpu.py."""
+"""GPU cases. Those that need a process of their own (a one-rank nccl group, a fresh CUDA
+state): `python tests/gpu_cases.py <case> [args]` prints one JSON line. The others run on the
+ranks of a pool whose default group is made as "cuda:gloo" (gpu_rank first): like nccl it
+serves CUDA tensors only, and unlike nccl it lets 2 ranks share one GPU. Run by
+tests/test_gpu.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,6 +94,149 @@ def powersgd_rng() -> dict:
     return {"unchanged": unchanged}
 
 
+# --- every policy, resumed bitwise ---------------------------------------------------------
+# 199 samples (prime: the last window is short and one rank gets the sampler's repeat), micro 8,
+# accum 3; 2 epochs of 5 windows on 2 ranks, 9 on 1; dropout and AdamW; a checkpoint every 2
+# steps; every rank checks the replicas after each step (trainer.check_replicas=1: fault 2) and
+# the drift of local SGD / DiLoCo is max-reduced at every log step (fault 1).
+BASE = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64", "data.in_dim=8",
+        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+        "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
+        "trainer.max_epochs=2", "trainer.log_every=1", "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=50", "trainer.check_replicas=1", "trainer.deterministic=true",
+        "trainer.progress_bar=false", "seed=5"]
+FP16 = ["precision=fp16", "precision.init_scale=4194304.0", "precision.growth_interval=3"]
+POLICIES = {  # every 3: the checkpoint at step 4 falls between two averagings (fault 3)
+    "always": ["sync=always"],
+    "accumulate": [],
+    "amp_aware_bf16_wire": ["sync=amp_aware", "sync.comm_dtype=bf16"],
+    "amp_aware_fp16": [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"],
+    "powersgd": ["sync.compression=powersgd", "sync.powersgd_start_step=2"],
+    "local_sgd": ["sync=local_sgd", "sync.every=3"],
+    "diloco": ["sync=diloco", "sync.every=3"],
+    "mixed_wire_groups": ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"],  # fault 4
+    "every_groups": ["sync.groups=[{params: '0.*', every: 3}]"],
+}
+RESUME_AT = 4
+# PowerSGD's error feedback and warm-start factors are not in checkpoints (docs/sync-policies.md):
+# its resume continues, not bitwise
+NOT_BITWISE = {"powersgd"}
+
+
+def gpu_rank() -> None:
+    """A pool rank on the one GPU: cuBLAS told to be deterministic before its handle exists."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.cuda.set_device(0)
+
+
+def policy_cfg(policy: str) -> dict:
+    from gradsync.config.validate import validate
+    from gradsync.run.main import compose_plain
+    from gradsync.run.placement import Placement
+
+    cfg = compose_plain([*BASE, *POLICIES[policy]])
+    validate(cfg, Placement("nccl", 2))
+    return cfg
+
+
+def train_on_gpu(cfg: dict, run_dir: str) -> dict:
+    """The worker's run_training on this rank's default group, on cuda:<current device>;
+    rank 0 returns the final parameters and metrics rows too."""
+    from gradsync.config.schema import RunConfig
+    from gradsync.run.placement import Placement
+    from gradsync.run.worker import run_training
+    from gradsync.train import checkpoint
+
+    # the CPU: to try the case itself on a gloo pool; on the GPU every rank shares cuda:0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    placement = Placement("nccl" if torch.cuda.is_available() else "gloo", world, "torchrun",
+                          rank, rank, world)
+    summary = run_training(RunConfig.from_plain(cfg), Path(run_dir), placement)
+    out: dict = {"summary": summary}
+    if dist.get_rank() == 0:
+        out["params"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
+        out["rows"] = [json.loads(x) for x in
+                       (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return out
+
+
+def rows_key(rows: list[dict]) -> list[tuple]:
+    return [(r["window"], r["step"], r["stepped"], r["loss"].hex(), r["lr"].hex(),
+             r.get("replica_drift", 0.0).hex()) for r in rows]
+
+
+def resumed_bitwise(policy: str, base_dir: str) -> dict:
+    """One policy trained through, then continued from its checkpoint at step RESUME_AT in a
+    fresh run dir (as a requeued job resumes): what differs (nothing, when exact)."""
+    from gradsync.train import checkpoint
+
+    cfg = policy_cfg(policy)
+    through = train_on_gpu(cfg, f"{base_dir}/{policy}/through")
+    ckpt = checkpoint.step_path(Path(f"{base_dir}/{policy}/through/checkpoints"), RESUME_AT)
+    resumed = train_on_gpu(cfg | {"resume": str(ckpt)}, f"{base_dir}/{policy}/resumed")
+    if dist.get_rank() != 0:
+        return {}
+    windows = checkpoint.load(ckpt)["progress"]["windows"]
+    params = [k for k, v in through["params"].items() if not torch.equal(v, resumed["params"][k])]
+    return {"windows": through["summary"]["windows"],
+            "params_differ": params,
+            "rows_equal": rows_key(resumed["rows"]) == rows_key(through["rows"])[windows:],
+            "drift_rows": sum("replica_drift" in r for r in through["rows"]),
+            "resumed_from": resumed["summary"]["resumed_from"] == str(ckpt),
+            "device": through["summary"]["device"]}
+
+
+def one_rank_nccl_resumed(base_dir: str) -> dict:
+    """Every policy on a 1-rank nccl group, each resumed bitwise."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    one_rank_nccl()
+    out = {policy: resumed_bitwise(policy, base_dir) for policy in POLICIES}
+    dist.destroy_process_group()
+    return out
+
+
+# --- fault 4 on its own: each work waited on before its buffer is read ------------------------
+class Bucket:
+    """What a DDP comm hook reads of its GradBucket: one flat buffer, views per parameter."""
+
+    def __init__(self, params: list, grads: torch.Tensor):
+        self.buf, self.params = grads, params
+        self.grads, offset = [], 0
+        for p in params:
+            self.grads.append(grads[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list:
+        return self.params
+
+    def gradients(self) -> list:
+        return self.grads
+
+
+def grouped_mean(numel: int) -> dict:
+    """grouped_allreduce on this pool's cuda:gloo group, a large bucket of two wire dtypes
+    (fp32 weights, bf16 biases): the result must be the mean over ranks of what each rank
+    put in, read after the reduction landed (each rank's values differ)."""
+    from gradsync.sync.comm import CommCounts
+    from gradsync.sync.layer_sync import LayerSync, grouped_allreduce
+
+    model = torch.nn.Linear(numel, 4, device="cuda")
+    layers = LayerSync([{"params": "bias", "comm_dtype": "bf16"}], None, CommCounts())
+    layers.bind(model)
+    params = list(model.parameters())
+    rank = dist.get_rank()
+    grads = torch.cat([torch.full((p.numel(),), float(rank + 1), device="cuda")
+                       for p in params])  # ranks 1 and 2: the mean is 1.5, bf16-exact
+    out = grouped_allreduce(layers, Bucket(params, grads)).wait()  # type: ignore[arg-type]
+    torch.cuda.synchronize()
+    return {"all_mean": bool((out == 1.5).all()), "numel": out.numel()}
+
+
 if __name__ == "__main__":
     case, *args = sys.argv[1:]
-    print(json.dumps({"hot_path": hot_path, "powersgd_rng": powersgd_rng}[case](*args)))
+    cases = {"hot_path": hot_path, "powersgd_rng": powersgd_rng,
+             "one_rank_nccl_resumed": one_rank_nccl_resumed}
+    print(json.dumps(cases[case](*args)))

@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import cli_environ
+from gradsync.run import slurm
 from gradsync.run.launch import adopt_submitit_ranks
 from gradsync.run.main import CONF_DIR
 from gradsync.run.ranks import job_rank
@@ -41,6 +43,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def job_with_free_ports(steps: int) -> str:
+    """A SLURM job id whose first `steps` steps derive master ports free on this machine."""
+    rng = random.Random()
+    for _ in range(1000):
+        job = str(rng.randrange(10**6))
+        if all(port_free(slurm.port_for(job, str(s))) for s in range(steps)):
+            return job
+    raise RuntimeError("no job id with free derived ports")
 
 
 def start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
@@ -196,12 +217,9 @@ def test_two_plain_srun_tasks_form_one_job_that_trains_like_two_spawned_workers(
     srun gives its tasks. Each becomes one rank (no spawning), they meet at the first host of
     the nodelist, agree on one run dir named after the job, and train bitwise what
     trainer.devices=2 trains. Under `taskset -c 0,1` each of the 2 ranks runs 1 thread."""
-    port = free_port()
-    job = str(port - 20000)  # whose derived port (slurm.port_for) is that free one
+    job = job_with_free_ports(steps=1)
     slurm_env = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
                  "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost"}
-    if not 20000 <= port < 60000:  # outside the derived range: as a user would, set it
-        slurm_env["MASTER_PORT"] = str(port)
     job_args = [*JOB, "trainer.threads_per_worker=0"]  # from the CPUs each task may use
     procs = [start(["taskset", "-c", "0,1", sys.executable, *TRAIN, *job_args], tmp_path,
                    cli_env | slurm_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
@@ -222,6 +240,36 @@ def test_two_plain_srun_tasks_form_one_job_that_trains_like_two_spawned_workers(
     assert summary["device"] == (platform.processor() or platform.machine() or "cpu")
     assert summary["peak_gpu_mem_mb"] is None
     assert_same_training(run_dir, basic_sweep / "0")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_concurrent_srun_steps_of_one_job_on_one_node_both_train(
+        tmp_path, cli_env, basic_sweep):
+    """Two `srun --ntasks=2` steps of one allocation at once on one node (each with its own
+    hydra.run.dir, as the docs ask): each step's tasks derive their own master port from the
+    job and step ids. With one port per job, the second step's rank 0 could not listen, or
+    its tasks joined the first step's store."""
+    job = job_with_free_ports(steps=2)
+    procs = {}
+    for step in (0, 1):
+        step_env = {"SLURM_JOB_ID": job, "SLURM_STEP_ID": str(step), "SLURM_NTASKS": "2",
+                    "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+                    "SLURM_JOB_NODELIST": "localhost"}
+        for r in (0, 1):
+            procs[step, r] = start(
+                [sys.executable, *TRAIN, *JOB, f"hydra.run.dir={tmp_path / f'step{step}'}"],
+                tmp_path, cli_env | step_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
+    done = {key: finish(p) for key, p in procs.items()}
+    for key, d in done.items():
+        assert d.returncode == 0, (key, d.stderr)
+    for step in (0, 1):
+        run_dir = tmp_path / f"step{step}"
+        for rank in (0, 1):  # one rank per task, each up once: nothing spawned
+            log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+            assert log.count(f"rank {rank}/2 up: backend=gloo") == 1
+        assert_same_training(run_dir, basic_sweep / "0")
+    assert slurm.port_for(job, "0") != slurm.port_for(job, "1")
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
 """On a CUDA machine only (skipped, saying so, elsewhere; `make gpu-check` runs them and more):
-no host sync in the hot path, PowerSGD leaves the CUDA generator alone, a GPU run's checkpoint
-holds only CPU tensors and each rank's own RNG state, and more ranks than GPUs is a config
-error. Each case runs in a process of its own (a fresh CUDA state, its own nccl group)."""
+every policy on 2 ranks sharing one GPU through a default group made as "cuda:gloo" (which, like
+nccl, serves CUDA tensors only) and on a 1-rank nccl group, each resumed bitwise, with the
+checks and log steps that crashed on nccl (faults 1-4 of issue 22); no host sync in the hot
+path; PowerSGD leaves the CUDA generator alone; a GPU run's checkpoint holds only CPU tensors
+and each rank's own RNG state; more ranks than GPUs is a config error. The nccl cases run in a
+process of their own (a fresh CUDA state, their own group)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import gpu_cases
+from dist_pool import DistPool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -39,6 +45,43 @@ def test_no_host_sync_in_the_hot_path_outside_logging_steps(cli_env, precision):
         pytest.skip("this GPU only emulates bf16 (compute capability < 8.0)")
     out = case(cli_env, "hot_path", precision)
     assert out["windows"] >= 10 and out["finite"]
+
+
+@pytest.fixture(scope="module")
+def gpu_pool2():
+    pool = DistPool(2, backend="cuda:gloo", setup="gpu_cases:gpu_rank")
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("policy", list(gpu_cases.POLICIES))
+def test_every_policy_on_two_ranks_sharing_a_gpu_resumes_bitwise(gpu_pool2, tmp_path, policy):
+    """A CPU tensor handed to the default group fails here as on nccl ("No backend type
+    associated with device type cpu"): the drift's MAX all-reduce (local SGD, DiLoCo) and
+    check_replicas' gather run at every step; the resumed local SGD / DiLoCo average on the
+    anchor the checkpoint held; mixed wires read what the all-reduce produced."""
+    r0, _ = gpu_pool2.run(gpu_cases.resumed_bitwise, policy, str(tmp_path), timeout=600)
+    assert r0["device"] == torch.cuda.get_device_name(0)
+    assert r0["windows"] == 10 and r0["resumed_from"]  # 2 epochs of 5 windows
+    if policy not in gpu_cases.NOT_BITWISE:
+        assert r0["params_differ"] == [] and r0["rows_equal"]
+    if policy in ("local_sgd", "diloco"):
+        assert r0["drift_rows"] >= 3
+
+
+def test_one_rank_nccl_every_policy_resumes_bitwise(cli_env, tmp_path):
+    out = case(cli_env, "one_rank_nccl_resumed", str(tmp_path))
+    assert sorted(out) == sorted(gpu_cases.POLICIES)
+    for policy, r in out.items():
+        assert r["resumed_from"] and r["windows"] == 18, policy  # 2 epochs of 9 windows
+        if policy not in gpu_cases.NOT_BITWISE:
+            assert r["params_differ"] == [] and r["rows_equal"], policy
+
+
+def test_mixed_wires_read_the_reduced_buffer_on_a_gpu(gpu_pool2):
+    """Fault 4 with a bucket large enough that gloo's copy back to the GPU takes a while."""
+    out = gpu_pool2.run(gpu_cases.grouped_mean, 1 << 22)
+    assert out == [{"all_mean": True, "numel": (1 << 22) * 4 + 4}] * 2
 
 
 def test_powersgd_leaves_the_cuda_generator_alone(cli_env):

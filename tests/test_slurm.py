@@ -52,7 +52,8 @@ SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
              "SLURM_JOB_NODELIST": "gpu[009-010]"}
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "SUBMITIT_EXECUTOR", "SLURM_STEP_TASKS_PER_NODE",
-            "SLURM_STEP_NODELIST", "SLURM_NTASKS_PER_NODE", *SRUN_TASK)
+            "SLURM_STEP_NODELIST", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID",
+            "SLURM_CPU_BIND_TYPE", "SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID", *SRUN_TASK)
 
 
 @pytest.fixture
@@ -73,8 +74,31 @@ def test_a_plain_srun_task_becomes_an_env_rank(bare_env):
                                       "MASTER_ADDR", "MASTER_PORT")}
     # task 5 is the second of the 2 tasks on node 1 of "4,2"; every task derives one port
     assert env == {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                   "MASTER_ADDR": "gpu009", "MASTER_PORT": str(slurm.port_for("4242"))}
-    assert 20000 <= slurm.port_for("4242") < 60000
+                   "MASTER_ADDR": "gpu009", "MASTER_PORT": str(slurm.port_for("4242", "0"))}
+    for key in env:  # the same task in step 3 of the job
+        bare_env.delenv(key)
+    bare_env.setenv("SLURM_STEP_ID", "3")
+    slurm.adopt_srun_ranks()
+    assert os.environ["MASTER_PORT"] == str(slurm.port_for("4242", "3"))
+
+
+def in_port_ranges(port: int) -> bool:
+    return 20000 <= port < 32768 or 61000 <= port < 65536
+
+
+def test_master_ports_differ_per_step_and_stay_out_of_the_ephemeral_range():
+    """Linux picks outgoing connections' ports from 32768-60999: a derived master port never
+    lies there. Steps of one job (two concurrent sruns) differ; so do nearby jobs, and jobs
+    40000 apart (which the modulus 40000 made collide)."""
+    jobs = [str(j) for j in range(4000, 4000 + 4099)]  # ids less than 4099 apart
+    ports = {(j, s): slurm.port_for(j, str(s)) for j in jobs for s in range(4)}
+    assert all(in_port_ranges(p) for p in ports.values())
+    assert len(set(ports.values())) == len(ports)  # 16396 job steps, 16396 ports
+    assert slurm.port_for("4242") != slurm.port_for("44242")
+    assert {slurm.port_for(str(j), str(s)) for j in range(17304) for s in (0,)} == {
+        *range(20000, 32768), *range(61000, 65536)}  # every allowed port is reached
+    assert slurm.port_for("17304") == slurm.port_for("0") == 20000  # the period
+    assert slurm.port_for("job_12.x", "batch") == slurm.port_for("12", "0")  # digits only
 
 
 @pytest.mark.parametrize("extra, adopted", [
@@ -151,6 +175,41 @@ def test_threads_come_from_the_cpus_this_process_may_use():
     t.join()
     assert result == {"one rank": 1, "two ranks": 1}
     assert cpu_threads(1) == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("env, own", [
+    ({}, False),  # no SLURM: torchrun's or spawned ranks share the mask
+    ({"SLURM_PROCID": "0"}, False),  # an srun task whose mask is the node's (not bound)
+    ({"SLURM_PROCID": "0", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, True),  # task/affinity bound it
+    ({"SLURM_PROCID": "0", "SLURM_CPU_BIND_TYPE": "cores"}, True),
+    ({"SLURM_PROCID": "0", "SLURM_CPU_BIND_TYPE": "none"}, False),  # srun --cpu-bind=none
+    ({"SLURM_PROCID": "0", "SLURM_CPUS_PER_TASK": "8"}, True),  # 8 CPUs: one task's share
+    ({"SLURM_PROCID": "0", "SLURM_CPUS_PER_TASK": "4"}, False),  # 8 CPUs: two tasks' share
+    ({"SLURM_PROCID": "0", "SLURM_CPUS_PER_TASK": "x"}, False),
+    # torchrun inside an srun task: its ranks share the task's mask
+    ({"SLURM_PROCID": "0", "SLURM_CPU_BIND_TYPE": "mask_cpu:", "TORCHELASTIC_RUN_ID": "r"}, False),
+])
+def test_a_slurm_bound_task_keeps_its_own_cpus(bare_env, env, own):
+    """srun --ntasks-per-node=4 --cpus-per-task=8: each task's mask holds its own 8 CPUs; dividing
+    it by the 4 ranks of the node gave 2 threads."""
+    for key, value in env.items():
+        bare_env.setenv(key, value)
+    assert slurm.task_has_own_cpus(8) == own
+
+
+def test_threads_of_a_bound_srun_task_are_its_whole_mask():
+    result: dict[str, int] = {}
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:2]))  # at most 2 CPUs
+        result["own"] = cpu_threads(4, own_mask=True)
+        result["shared"] = cpu_threads(4)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join()
+    usable = min(2, len(os.sched_getaffinity(0)))
+    assert result == {"own": usable, "shared": 1}
 
 
 def test_a_checkpoint_state_is_copied_to_the_cpu_keeping_its_structure():

@@ -11,13 +11,11 @@ inside gradsync's counting hook; on CPU ranks of one host it goes through shared
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,16 +23,7 @@ from gradsync.sync.averaging import float_state
 from gradsync.sync.comm import CommCounts, install_counting_hook
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
-
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers; broadcast_buffers=False
-# also left the buffers out of the initial broadcast, forward_sync_buffers=False does not.
-_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
-    DistributedDataParallel.__init__).parameters
-
-
-def buffer_sync(forward: bool) -> dict[str, Any]:
-    """DDP's keyword for whether the forward broadcasts rank 0's buffers, on any torch."""
-    return {"forward_sync_buffers" if _FORWARD_SYNC_BUFFERS else "broadcast_buffers": forward}
+from gradsync.torch_compat import ddp_buffer_sync
 
 
 class TorchDDP:
@@ -93,9 +82,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
-        **buffer_sync(not policy.syncs_parameters))
-    if policy.syncs_parameters and not _FORWARD_SYNC_BUFFERS and world_size > 1:
-        _broadcast_buffers(model, set(ignored))  # what forward_sync_buffers=False still does
+        **ddp_buffer_sync(not policy.syncs_parameters))
     inner = policy.comm_hook()
     if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
         # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
@@ -110,11 +97,3 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     # spares the zeroing pass and the backward's accumulation into the zeros
     return TorchDDP(ddp, counts, "shared_memory" if shared else "process_group",
                     grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters)
-
-
-def _broadcast_buffers(model: nn.Module, ignored: set[str]) -> None:
-    """Rank 0's buffers to every rank, once (DDP's initial sync on torch < 2.13 when buffers
-    are not synchronised in the forward)."""
-    for name, buf in model.named_buffers():
-        if name not in ignored:
-            dist.broadcast(buf.data, src=0)

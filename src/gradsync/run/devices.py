@@ -22,14 +22,21 @@ class DeviceError(ValueError):
     """The GPUs this process sees cannot serve the ranks asked of it (a config error)."""
 
 
-def cpu_threads(local_world: int) -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity: taskset, cgroups' cpusets, SLURM's
-    --cpus-per-task), shared by the ranks on this node."""
+    binding)."""
     try:
-        usable = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable // max(1, local_world))
+        return os.cpu_count() or 1
+
+
+def cpu_threads(local_world: int, own_mask: bool = False) -> int:
+    """A rank's threads: the CPUs this process may run on, shared by the `local_world` ranks
+    on this node unless the mask is this rank's own (an srun task SLURM bound to its
+    --cpus-per-task CPUs: slurm.task_has_own_cpus)."""
+    usable = usable_cpus()
+    return usable if own_mask else max(1, usable // max(1, local_world))
 
 
 def visible_gpus() -> int:
@@ -69,3 +76,19 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
+
+
+class WrongDevice(RuntimeError):
+    """A tensor about to go to a collective of the default group is not on the model's device."""
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor`, checked to be on `device` (the model's) before it goes to a collective of the
+    default group: nccl, like a group made as "cuda:gloo", serves CUDA tensors only, and a CPU
+    tensor there fails only on a GPU ("No backend type associated with device type cpu"). The
+    check runs everywhere, so a CPU run catches such a tensor too."""
+    if tensor.device != device:
+        raise WrongDevice(f"a tensor on {tensor.device} was handed to a collective of the "
+                          f"default group, whose ranks train on {device}: nccl serves only "
+                          "CUDA tensors; build it on the model's device")
+    return tensor

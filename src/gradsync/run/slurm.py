@@ -4,7 +4,7 @@ and preemption (SIGUSR1/SIGUSR2) ending in `scontrol requeue`.
 - ``srun --ntasks-per-node=4 gradsync-train ...``: every task is one rank. adopt_srun_ranks()
   exports the env:// variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE,
   LOCAL_WORLD_SIZE, MASTER_ADDR = the first host of SLURM_JOB_NODELIST, MASTER_PORT drawn from
-  the job id unless set), so the task runs exactly like a torchrun rank. A job of one task
+  the job and step ids unless set), so the task runs exactly like a torchrun rank. A job of one task
   spawns trainer.devices workers itself, as anywhere else.
 - Under SLURM (SLURM_JOB_ID set, submitit not in charge) the default run dir is
   outputs/runs/slurm-<job id> and `resume` defaults to auto, so a requeued job (same id, same
@@ -92,10 +92,46 @@ def is_srun_task() -> bool:
     return int(env.get("SLURM_NTASKS", "1")) > 1
 
 
-def port_for(job: str) -> int:
-    """A port every task of the job derives alike, in [20000, 60000)."""
-    digits = "".join(ch for ch in job if ch.isdigit()) or "0"
-    return 20000 + int(digits) % 40000
+# The master ports srun tasks derive: 20000-32767 and 61000-65535, outside Linux's ephemeral
+# range (net.ipv4.ip_local_port_range, 32768-60999 by default), where the kernel picks the
+# ports of outgoing connections (a TCPStore's clients' among them) and could hold ours.
+PORT_RANGES = ((20000, 32768), (61000, 65536))
+PORTS = sum(hi - lo for lo, hi in PORT_RANGES)  # 17304
+STEP_STRIDE = 4099  # a prime: steps of one job land far apart, on other jobs' gaps
+
+
+def _number(value: str) -> int:
+    digits = "".join(ch for ch in value if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+def port_for(job: str, step: str = "0") -> int:
+    """The master port every task of one job step derives alike: slot (job + 4099 * step)
+    mod 17304 of PORT_RANGES. Concurrent steps of one job get different ports, and so do steps
+    0-3 of jobs whose ids are less than 4099 apart (a modulus alone made jobs 40000 apart, and
+    every step of a job, collide)."""
+    slot = (_number(job) + STEP_STRIDE * _number(step)) % PORTS
+    for lo, hi in PORT_RANGES:
+        if slot < hi - lo:
+            return lo + slot
+        slot -= hi - lo
+    raise AssertionError("unreachable: slot < PORTS")
+
+
+def task_has_own_cpus(usable: int) -> bool:
+    """Whether this process's CPU mask (of `usable` CPUs) is its own, not shared with the other
+    ranks of its node: it is an srun task itself (not a torchrun rank inside one: those share
+    their agent's mask), and SLURM bound it (SLURM_CPU_BIND_TYPE other than none, as the
+    task/affinity plugin exports it, e.g. `mask_cpu:`), or its mask holds no more CPUs than one
+    task gets (SLURM_CPUS_PER_TASK)."""
+    env = os.environ
+    if "SLURM_PROCID" not in env or "TORCHELASTIC_RUN_ID" in env:
+        return False
+    bind = env.get("SLURM_CPU_BIND_TYPE", "").strip().lower()
+    if bind and not bind.startswith("none"):
+        return True
+    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    return per_task.isdigit() and 0 < usable <= int(per_task)
 
 
 def adopt_srun_ranks() -> None:
@@ -113,7 +149,8 @@ def adopt_srun_ranks() -> None:
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
     env["LOCAL_WORLD_SIZE"] = str(local_world)
     env.setdefault("MASTER_ADDR", expand_hostlist(nodelist)[0])
-    env.setdefault("MASTER_PORT", str(port_for(env.get("SLURM_JOB_ID", "0"))))
+    env.setdefault("MASTER_PORT", str(port_for(env.get("SLURM_JOB_ID", "0"),
+                                               env.get("SLURM_STEP_ID", "0"))))
 
 
 def run_name() -> str | None:

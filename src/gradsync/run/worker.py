@@ -21,7 +21,7 @@ from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import DataBundle, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.run import summary as run_summary
-from gradsync.run.devices import cpu_threads
+from gradsync.run.devices import cpu_threads, usable_cpus
 from gradsync.run.faults import (
     PROCESS_FLAG,
     StopAgreement,
@@ -31,7 +31,7 @@ from gradsync.run.faults import (
 )
 from gradsync.run.placement import Placement, of_process_group
 from gradsync.run.ranks import is_rank0
-from gradsync.run.slurm import watched_signals
+from gradsync.run.slurm import task_has_own_cpus, watched_signals
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
@@ -212,7 +212,9 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
     rank, world_size = placement.rank, placement.world_size
     setup_logging(run_path, rank)
     tr = cfg.trainer
-    threads = tr.threads_per_worker or cpu_threads(placement.local_world_size)
+    threads = tr.threads_per_worker or cpu_threads(
+        placement.local_world_size,
+        own_mask=not placement.spawns and task_has_own_cpus(usable_cpus()))
     torch.set_num_threads(threads)
     device = placement.device()
     if device.type == "cuda":

@@ -88,10 +88,14 @@ class Anchor:
     The copy lives in one flat buffer (``params`` and ``buffers`` are views into it), and so do
     the round's pseudo-gradients: a round is seven passes over the model and one all-reduce."""
 
-    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
+                 device: torch.device | None = None):
+        """A copy of `params` and `buffers` on `device` (default: where they are)."""
         tensors = [t.detach() for t in params + buffers]
+        if device is None and tensors:
+            device = tensors[0].device
         self.flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32,
-                                device=tensors[0].device if tensors else None)
+                                device=device)
         views = _views(self.flat, tensors)
         for v, t in zip(views, tensors, strict=True):
             v.copy_(t)
@@ -116,7 +120,8 @@ class Anchor:
         norm = torch.linalg.vector_norm  # of a difference written over `local`: no temporaries
         num = norm(torch.sub(mean, self.local, out=self.local))
         den = norm(torch.sub(self.flat, mean, out=self.local))  # the mean replica's norm
-        drift = float(num / den) if den > 0 else float(num)
+        # the one host read of a round (docs/gpus-and-slurm.md): the drift, for the counters
+        drift = float(torch.where(den > 0, num / den, num))
         n = len(self.params)
         pseudo = _views(mean, replica)
         outer(self.params, pseudo[:n])
@@ -130,5 +135,6 @@ class Anchor:
         return {"params": self.params, "buffers": self.buffers}
 
     @classmethod
-    def from_state(cls, state: dict[str, list[torch.Tensor]]) -> Anchor:
-        return cls(state["params"], state["buffers"])
+    def from_state(cls, state: dict[str, list[torch.Tensor]], device: torch.device) -> Anchor:
+        """The anchor a checkpoint kept (loaded on the CPU), on the model's `device`."""
+        return cls(state["params"], state["buffers"], device)

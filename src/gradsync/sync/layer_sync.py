@@ -321,15 +321,23 @@ def grouped_allreduce(layers: LayerSync, bucket: dist.GradBucket
     for wire, spans in by_wire.items():
         flat = torch.cat([buf[a:b] for a, b in spans]).to(wire or buf.dtype)
         flat.div_(world)
-        sent.append((spans, flat, dist.all_reduce(flat, async_op=True)))
+        work = dist.all_reduce(flat, async_op=True)
+        assert work is not None
+        sent.append((spans, flat, work.get_future()))
 
     def copy_back(_: Any) -> torch.Tensor:
-        for spans, flat, _work in sent:
+        for spans, flat, reduced in sent:
+            # A nccl work's future is done once the collective is queued, and collect_all's
+            # future carries no CUDA events: without this wait the copies below would read
+            # `flat` before nccl reduced it. Waiting on the work's own future makes this
+            # stream wait for nccl's (no host sync); on gloo it is done already. (Not
+            # work.wait(): gloo runs these callbacks before it marks the work finished.)
+            reduced.wait()
             offset = 0
             for a, b in spans:
                 buf[a:b].copy_(flat[offset:offset + b - a])
                 offset += b - a
         return buf
 
-    done = torch.futures.collect_all([work.get_future() for _, _, work in sent])
+    done = torch.futures.collect_all([reduced for _, _, reduced in sent])
     return done.then(copy_back)

@@ -126,6 +126,7 @@ class ModelAveraging(SyncPolicy):
         self.anchor: Anchor | None = None  # the global weights; None during warm-up
         self.in_sync = True
         self.replica_drift: float | None = None  # measured by the last after_window, if it averaged
+        self.restored: dict[str, Any] | None = None  # a checkpoint's anchor, until start()
         self.slots: SharedSlots | None = None  # the run's shared-memory all-reduce, if it has one
 
     def use_shared_memory(self, slots: SharedSlots) -> None:
@@ -142,8 +143,16 @@ class ModelAveraging(SyncPolicy):
         self.averaging.local_skipped_steps += not stepped
 
     def start(self, model: torch.nn.Module, windows_done: int) -> None:
-        """Before the first window of a (fresh or resumed) run."""
+        """Before the first window of a (fresh or resumed) run. A resumed run's anchor (and the
+        outer optimizer's state on it) is placed here, on the model's device: the checkpoint
+        was loaded on the CPU."""
         self.windows = windows_done
+        restored, self.restored = self.restored, None
+        if restored is not None:
+            device = next(model.parameters()).device
+            self.anchor = Anchor.from_state(restored["anchor"], device) if restored["anchor"] \
+                else None
+            self.outer.load_state_dict(restored["outer"], self.anchor.params if self.anchor else [])
         if self.anchor is None and windows_done >= self.warmup:
             self.anchor = Anchor.of(model)  # a fresh run: the replicas start identical
 
@@ -178,14 +187,17 @@ class ModelAveraging(SyncPolicy):
 
     # --- checkpoints (the same on every rank; per-rank counters live in `averaging`) ----------
     def state_dict(self) -> dict[str, Any]:
+        if self.restored is not None:  # loaded, not started yet: as it was loaded
+            return self.restored | {"windows": self.windows, "in_sync": self.in_sync}
         return {"windows": self.windows, "in_sync": self.in_sync,
                 "anchor": self.anchor.state_dict() if self.anchor else None,
                 "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The anchor and the outer optimizer's state wait for start(), which knows the
+        model's device."""
         self.windows, self.in_sync = state["windows"], state["in_sync"]
-        self.anchor = Anchor.from_state(state["anchor"]) if state["anchor"] else None
-        self.outer.load_state_dict(state["outer"], self.anchor.params if self.anchor else [])
+        self.anchor, self.restored = None, state
 
 
 # The components (`_target_`s of conf/sync/local_sgd.yaml and diloco.yaml): each chooses the

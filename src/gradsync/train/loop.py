@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from gradsync.config.schema import TrainerConfig
 from gradsync.data.bundle import epoch_batches
 from gradsync.engines.base import Engine
+from gradsync.run.devices import on_device
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
 from gradsync.train.metrics import RunLog, peak_memory_mb
@@ -196,9 +197,11 @@ class StepLog:
         rows = [r for r in self.rows if "replica_drift" in r]
         if not rows:
             return
-        drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64)
+        # on the model's device: nccl (or a cuda:gloo group) serves no CPU tensor
+        drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64,
+                              device=self.p.device)
         if self.p.world_size > 1:
-            dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
+            dist.all_reduce(on_device(drifts, self.p.device), op=dist.ReduceOp.MAX)
         for row, drift in zip(rows, drifts.tolist(), strict=True):
             row["replica_drift"] = drift
             self.log.scalars(row["window"], {"sync/replica_drift": drift})
@@ -256,7 +259,8 @@ class StepLog:
 def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
     """No checkpoint of a diverged model: the step's loss may still have been finite. The
     parameters are the same on every rank, so every rank decides the same."""
-    if not all(bool(torch.isfinite(q).all()) for q in model.parameters()):
+    finite = torch.stack([torch.isfinite(q).all() for q in model.parameters()]).all()
+    if not bool(finite):  # one read of the GPU, not one per parameter tensor
         raise FloatingPointError(f"non-finite parameters after optimizer step {step} (fp32); "
                                  "stopped, the last good checkpoint stays in checkpoints/")
 
@@ -277,13 +281,15 @@ def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
 def check_replicas(model: torch.nn.Module, step: int) -> None:
     """A cheap cross-rank checksum of every parameter (its sum and sum of squares in float64,
     gathered from every rank): replicas that should be equal are bitwise equal, so any
-    difference names a parameter that drifted (trainer.check_replicas)."""
+    difference names a parameter that drifted (trainer.check_replicas). Gathered on the
+    parameters' device (nccl serves no CPU tensor), read on the host once."""
     named = list(model.named_parameters())
     mine = torch.stack([torch.stack([q.detach().double().sum(), q.detach().double().square().sum()])
-                        for _, q in named]).cpu()
+                        for _, q in named])
     world = dist.get_world_size()
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    dist.all_gather(every, on_device(mine, named[0][1].device))
+    every = list(torch.stack(every).cpu())
     for rank in range(1, world):
         differs = (every[rank] != every[0]).any(dim=1).nonzero()
         if len(differs):

@@ -26,14 +26,26 @@ from gradsync.train.repro import config_hash
 
 
 def to_cpu(tree: Any) -> Any:
-    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v) for v in tree)
-    return tree
+    """A copy of nested dicts/lists/tuples with every tensor moved to the CPU. From a GPU the
+    copies are queued (into pinned memory) and waited for once, not once per tensor."""
+    streams: dict[torch.device, Any] = {}
+
+    def copy(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            if tree.device.type == "cuda":
+                streams.setdefault(tree.device, torch.cuda.current_stream(tree.device))
+                return tree.detach().to("cpu", non_blocking=True)
+            return tree.detach().cpu()
+        if isinstance(tree, dict):
+            return {k: copy(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(copy(v) for v in tree)
+        return tree
+
+    out = copy(tree)
+    for stream in streams.values():
+        stream.synchronize()  # the one wait: the copies are done before anyone reads them
+    return out
 
 
 def components(p: Parts) -> dict[str, Any]:

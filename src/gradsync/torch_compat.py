@@ -1,0 +1,26 @@
+"""What differs between the torch versions gradsync supports (pyproject.toml: torch>=2.11,<2.14;
+tested: 2.11.0 with `make compat TORCH=2.11.0`, 2.13.0 from the lock). Every API gradsync calls was
+read against 2.11's and 2.13's source; this is the one place that asks which torch it runs on.
+
+- DDP's per-forward buffer sync is ``forward_sync_buffers`` from 2.13 (``broadcast_buffers``,
+  deprecated there, before: passing it to 2.13 warns, passing ``forward_sync_buffers`` to 2.11
+  is a TypeError). ``broadcast_buffers=False`` also leaves the buffers out of DDP's initial
+  broadcast, ``forward_sync_buffers=False`` does not; gradsync builds every rank's model from
+  the same seed before DDP wraps it, so both start from the same buffers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+_DDP_KEYWORDS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def ddp_buffer_sync(sync: bool) -> dict[str, Any]:
+    """DDP's keyword for syncing buffers from rank 0 before every forward, on this torch."""
+    if "forward_sync_buffers" in _DDP_KEYWORDS:  # torch >= 2.13
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}
