@@ -61,13 +61,15 @@ RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "worl
 EXTRA = {"data": DATA_EXTRA}  # keys of a node that the loop reads, not the target
 
 
-def accepted_keys(group: str, node: dict[str, Any]) -> str:
-    """A component group's accepted keys, for messages."""
+def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The names the worker passes a group's component itself: for the model, the sizes the
+    data declares with @provides (the built-in size names if it declares none)."""
+    if group != "model" or not data_node:
+        return RUNTIME.get(group, ())
     try:
-        names = parameters(locate(node["_target_"]))
+        return tuple(getattr(locate(data_node["_target_"]), "sizes", DATA_SIZES))
     except (ConfigError, KeyError, TypeError):
-        return ""
-    return ", ".join(sorted(n for n in names if n not in RUNTIME.get(group, ())))
+        return DATA_SIZES
 
 
 def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
