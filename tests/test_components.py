@@ -107,6 +107,28 @@ def test_the_example_project_runs_from_its_own_directory(tmp_path, cli_env):
 
 
 @pytest.mark.slow
+def test_inspect_params_composes_through_config_dir_and_leaves_nothing(tmp_path, cli_env):
+    """+inspect=params with --config-dir and an experiment of the project's own: the CNN's
+    parameters (not the default MLP's), nothing trained, no run dir."""
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "examples" / "cnn_digits", project)
+    shown = cli(["--config-dir", "conf", "experiment=cnn", "model.channels=4", "+inspect=params",
+                 "hydra.run.dir=out/run"], project, cli_env)
+    assert shown.returncode == 0, shown.stderr
+    rows = {}
+    for line in shown.stdout.splitlines():
+        if line[:1].isdigit():  # name [shape] bytes rule
+            name, rest = line.split(maxsplit=1)
+            shape, _, after = rest.partition("]")
+            rows[name] = (shape + "]", int(after.split()[0]))
+    # conv 1->4 3x3, conv 4->4 3x3, linear 4*4*4 -> 10 (8x8 images pooled to 4x4): the CNN
+    assert rows == {"0.weight": ("[4, 1, 3, 3]", 144), "0.bias": ("[4]", 16),
+                    "2.weight": ("[4, 4, 3, 3]", 576), "2.bias": ("[4]", 16),
+                    "6.weight": ("[10, 64]", 2560), "6.bias": ("[10]", 40)}, shown.stdout
+    assert not (project / "out").exists() and not (project / "outputs").exists()
+
+
+@pytest.mark.slow
 def test_the_installed_package_runs_the_default_experiment_from_any_directory(tmp_path,
                                                                              cli_env):
     """pip install of the wheel (not editable) into a fresh venv, offline; gradsync-train from
