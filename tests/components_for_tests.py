@@ -46,11 +46,21 @@ class CorruptRank1After:
                 next(iter(model.parameters()))[0].add_(1e-3)
 
 
+class Unreadable(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        raise ValueError("the data cannot be loaded (a test aid)")
+
+
 def data_that_fails(seed: int, num_samples: int = 2048, eval_samples: int = 512,
                     in_dim: int = 32, out_dim: int = 8, noise: float = 0.05):
-    """data=synthetic's keys, but building it fails in every worker (after the config was
-    checked)."""
-    raise ValueError("the data cannot be loaded (a test aid)")
+    """data=synthetic's keys, but its samples cannot be read: builds (the config check passes),
+    then fails in every worker on its first micro-batch."""
+    from gradsync.data import synthetic
+
+    return replace(synthetic(seed, 64, 16, in_dim, out_dim, noise), train=Unreadable())
 
 
 # --- contract breaks (issue 21): each must be refused before any worker starts, or on the

@@ -53,8 +53,43 @@ def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "UnsyncedWindow")
     for m in messages:
         assert m.startswith("sync policy 'NeverSync' ends a window of 2 micro-batches "
-                            "(micro-batches 0-1 of the epoch) inside no_sync()")
+                            "(micro-batches 0-1 of the epoch) inside no_sync(): no micro-batch "
+                            "of the window synchronised: no gradient was all-reduced, so every "
+                            "rank would step on gradients of its own"), m
     assert not (tmp_path / "checkpoints").exists()  # no step was taken, nothing written
+    # a policy that synchronised an earlier micro-batch of the window is told so
+    cfg = with_policy("components_for_tests.SyncFirstOnly", ["schedule.accum_steps=3"])
+    messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path / "first"),
+                         "UnsyncedWindow")
+    for m in messages:
+        assert m.startswith("sync policy 'SyncFirstOnly' ends a window of 3 micro-batches "
+                            "(micro-batches 0-2 of the epoch) inside no_sync(): micro-batch 0 "
+                            "synchronised, but micro-batches 1-2 (the last included) did not: "
+                            "the gradients accumulated after it were never all-reduced"), m
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("data,expected", [
+    ("components_for_tests.digits_with_mean_loss",
+     "data (components_for_tests.digits_with_mean_loss): loss(output, target) returned a tuple "
+     "of 2: a tensor of shape [], a tensor of shape []; expected per-sample loss sums and unit "
+     "counts, each a tensor of shape [8] for the micro-batch's 8 kept samples"),
+    ("components_for_tests.digits_with_per_sample_correct",
+     "data (components_for_tests.digits_with_per_sample_correct): correct(output, target) "
+     "returned a tensor of shape [8]; expected a scalar count of the units predicted right"),
+])
+def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(pool2, tmp_path,
+                                                                            data, expected):
+    """A loss returning the micro-batch's mean trains, wrongly, and a per-sample `correct`
+    fails only at the final evaluation: both stop every rank at its first micro-batch."""
+    cfg = plain_cfg([a for a in TINY if not a.startswith("data")])
+    cfg["data"] = {"_target_": data, "micro_batch_size": 8}
+    validate(cfg)  # nothing to see before training: the bundle is a DataBundle
+    messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "ContractError")
+    for m in messages:
+        assert m.startswith(expected), m
+    assert not (tmp_path / "checkpoints").exists()  # no step was taken
 
 
 @pytest.mark.slow

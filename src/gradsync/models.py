@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.components import CheckContext, checks, require
+from gradsync.components import CheckContext, build, checks, require
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -22,6 +22,17 @@ class ModelBuilder(Protocol):
     data); see data.DataBundle.sizes."""
 
     def __call__(self, **kwargs: Any) -> nn.Module: ...
+
+
+def build_on_meta(node: dict[str, Any], sizes: dict[str, int]) -> Any:
+    """What a model node builds with the data's sizes, on the meta device (the shapes and
+    dtypes of its tensors, no memory for them) where its constructor can run there, else on
+    the CPU: for the config check and +inspect=params."""
+    try:
+        with torch.device("meta"):
+            return build(node, sizes)
+    except Exception:
+        return build(node, sizes)
 
 
 def _check_mlp(a: dict[str, Any], ctx: CheckContext) -> None:

@@ -3,7 +3,9 @@ and the seeded DistributedSampler/DataLoader every run uses, world size 1 includ
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,8 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-from gradsync.components import CheckContext, checks, require
-from gradsync.train.repro import derive_seed
+from gradsync.components import (
+    CheckContext,
+    ConfigError,
+    ContractError,
+    build,
+    checks,
+    config_args,
+    kind_of,
+    require,
+)
+from gradsync.train.repro import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 
@@ -57,6 +68,117 @@ def provides(*sizes: str, unit: str = "samples") -> Callable[[Any], Any]:
         return builder
 
     return mark
+
+
+UNITS = ("samples", "tokens")
+# the last data built in this process (build_data): at most one, by its node and seed
+_built: dict[str, DataBundle] = {}
+
+
+def build_data(node: dict[str, Any], seed: int, extra: tuple[str, ...] = ("micro_batch_size",),
+               take: bool = False) -> DataBundle:
+    """The data a data node builds with the run seed, with the global random streams seeded
+    from it (and restored after), so a builder that draws from them builds the same data
+    wherever it is built. Built once per process and job: the config check builds and keeps it
+    (so do +inspect=params and the sync.groups check, which find it built), and a worker forked
+    from the checking process, or the env:// rank that checked, takes it (take=True: it is not
+    kept for a later job of the process) instead of building it again."""
+    key = json.dumps([node["_target_"], config_args(node, extra), seed], sort_keys=True,
+                     default=repr)
+    bundle = _built.pop(key, None) if take else _built.get(key)
+    if bundle is None:
+        with seeded(seed):
+            bundle = build(node, {"seed": seed}, extra=extra)
+        if not take:
+            _built.clear()
+            _built[key] = bundle
+    return bundle
+
+
+def forget_built_data() -> None:
+    """Drop the data kept by build_data (a launcher whose ranks have their own)."""
+    _built.clear()
+
+
+def check_bundle(bundle: Any, builder: Any, target: str) -> DataBundle:
+    """What a data builder returned holds to the contract as far as it can be seen before
+    training: a DataBundle, whose sizes are the ones @provides declared and whose unit is
+    the declared one. ConfigError naming the builder otherwise."""
+    if not isinstance(bundle, DataBundle):
+        raise ConfigError(f"data ({target}): returned {kind_of(bundle)}, which is no "
+                          "gradsync.data.DataBundle (train, eval, loss, sizes, ...: "
+                          "docs/components.md)")
+    if not (isinstance(bundle.sizes, dict) and all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in bundle.sizes.items())):
+        raise ConfigError(f"data ({target}): its DataBundle's sizes are {bundle.sizes!r}; "
+                          "expected a dict of names to integers (e.g. {'in_dim': 64})")
+    declared = getattr(builder, "sizes", None)
+    lacking = [name for name in declared or () if name not in bundle.sizes]
+    if lacking:
+        raise ConfigError(f"data ({target}): @provides names {', '.join(lacking)}, which its "
+                          f"DataBundle's sizes lack (they are {', '.join(bundle.sizes)})")
+    if bundle.unit not in UNITS:
+        raise ConfigError(f"data ({target}): its DataBundle's unit is {bundle.unit!r}; "
+                          f"expected one of {', '.join(UNITS)}")
+    declared_unit = getattr(builder, "unit", bundle.unit)
+    if declared_unit != bundle.unit:
+        raise ConfigError(f"data ({target}): @provides says unit={declared_unit!r}, its "
+                          f"DataBundle says {bundle.unit!r}")
+    for name in ("loss", "correct", "collate"):
+        value = getattr(bundle, name)
+        if not callable(value) and (value is not None or name == "loss"):
+            raise ConfigError(f"data ({target}): its DataBundle's {name} is "
+                              f"{kind_of(value)}, which is not callable")
+    return bundle
+
+
+def _returned(result: Any) -> str:
+    def one(x: Any) -> str:
+        return (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor)
+                else kind_of(x))
+
+    if isinstance(result, (tuple, list)):
+        return f"{kind_of(result)} of {len(result)}: " + ", ".join(map(one, result))
+    return one(result)
+
+
+class FirstBatchChecked:
+    """A DataBundle's loss, with the loss and ``correct`` contracts checked on the first
+    micro-batch that holds a sample (on every rank, once per run; then one flag test per
+    call): a loss that returns a mean, or a ``correct`` that returns per-sample values, would
+    otherwise train without a word (or fail only at the final evaluation)."""
+
+    def __init__(self, bundle: DataBundle, target: str):
+        self.loss, self.correct, self.target = bundle.loss, bundle.correct, target
+        self.pending = True
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> Any:
+        result = self.loss(out, y)
+        if self.pending and len(y):
+            self.pending = False
+            self.check(result, out, y)
+        return result
+
+    def check(self, result: Any, out: torch.Tensor, y: torch.Tensor) -> None:
+        b = len(y)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and all(
+                isinstance(t, torch.Tensor) and tuple(t.shape) == (b,) for t in result)):
+            raise ContractError(
+                f"data ({self.target}): loss(output, target) returned {_returned(result)}; "
+                "expected per-sample loss sums and unit counts, each a tensor of shape "
+                f"[{b}] for the micro-batch's {b} kept samples (a sum plus a count, never a "
+                "mean: docs/components.md)")
+        if self.correct is None:
+            return
+        with torch.no_grad():
+            right = self.correct(out.detach(), y)
+        if not (isinstance(right, torch.Tensor) and right.dim() == 0 or isinstance(
+                right, (int, float)) and not isinstance(right, bool)):
+            raise ContractError(
+                f"data ({self.target}): correct(output, target) returned {_returned(right)}; "
+                "expected a scalar count of the units predicted right (a 0-dim tensor, e.g. "
+                "(output.argmax(-1) == target).sum())")
 
 
 def mse_per_sample(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +245,13 @@ def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 1797 8x8 digit images (pixels 0..16, flattened to 64) and labels, read
     from the file it bundles as its load_digits does, without importing scikit-learn (a second
     or more at every worker's start)."""
+    table = _digit_table()
+    return table[:, :-1].copy(), table[:, -1].astype(int)
+
+
+@functools.cache
+def _digit_table() -> np.ndarray:
+    """Read once per process (the config check and forked workers share it; never modified)."""
     import gzip
     import importlib.util
 
@@ -132,8 +261,7 @@ def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / \
         "digits.csv.gz"
     with gzip.open(path) as f:
-        table = np.loadtxt(f, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(int)
+        return np.loadtxt(f, delimiter=",")
 
 
 class TokenSequences(Dataset):
