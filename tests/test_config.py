@@ -172,6 +172,16 @@ REFUSED = [
     (["trainer.bucket_cap_mb=0"], "trainer.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
+    # issue 26: values that reached the workers (tests/test_options.py covers every option)
+    (["optimizer.fused=maybe"],
+     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes bool | None"),
+    (["data.split_seed=-1"], "data.split_seed=-1 is not allowed: an integer >= 0"),
+    (["trainer.timeout_s=100000000000000000000"],
+     "trainer.timeout_s=100000000000000000000 is not allowed: an integer >= 1 (at most "
+     "1000000000)"),
+    (["model.hidden_sizes=[1000000000000]"], "model.hidden_sizes=[1000000000000]: the MLP's "
+     "75,000,000,000,010 parameters (in_dim=64, out_dim=10 from the data) would take 272.8 "
+     "TiB, more than this machine's memory"),
 ]
 
 
@@ -210,7 +220,7 @@ BAD = [
     (["sync._target_=components_for_tests.ShouldSyncOfOneArgument", "~sync.compression",
       "~sync.powersgd_rank", "~sync.powersgd_start_step", "~sync.groups"],
      "sync (components_for_tests.ShouldSyncOfOneArgument): "
-     "ShouldSyncOfOneArgument.should_sync(micro_index: int) -> bool cannot be called as "
+     "ShouldSyncOfOneArgument.should_sync(micro_index: 'int') -> 'bool' cannot be called as "
      "should_sync(micro_index, window_size)"),
 ]
 

@@ -53,12 +53,13 @@ def machine_memory() -> int | None:
         return None
 
 
-def require_fits(nbytes: float, key: str, what: str, got: Any) -> None:
-    """A size whose allocation (nbytes) needs more than this machine's memory is refused."""
+def require_fits(nbytes: float, what: str) -> None:
+    """Refuse what would take more than this machine's memory (nbytes, counted from the
+    config before anything is allocated): `what` names the keys it comes from."""
     memory = machine_memory()
     if memory is not None and nbytes > memory:
-        raise ConfigError(f"{key}={got!r} is not allowed: {what} would take {_size(nbytes)}, "
-                          f"more than this machine's memory ({_size(memory)})")
+        raise ConfigError(f"{what} would take {_size(nbytes)}, more than this machine's memory "
+                          f"({_size(memory)})")
 
 
 def _size(nbytes: float) -> str:
@@ -171,7 +172,7 @@ def takes_any_keyword(target: Any) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def _hints(target: Any) -> dict[str, Any]:
+def hints(target: Any) -> dict[str, Any]:
     fn = target.__init__ if inspect.isclass(target) else target
     try:
         return typing.get_type_hints(fn)
@@ -242,9 +243,9 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
         if p.default is p.empty and name not in args and name not in runtime \
                 and not node.get("_partial_"):
             raise ConfigError(f"{group}.{name}: missing; {node['_target_']} requires it")
-    hints = _hints(target)
+    hints_ = hints(target)
     for key, value in args.items():
-        hint = hints.get(key)
+        hint = hints_.get(key)
         if hint is not None and not accepts(hint, value):
             raise ConfigError(f"{group}.{key}={value!r} is not allowed: {node['_target_']} "
                               f"takes {_type_name(hint)}")

@@ -16,6 +16,7 @@ from typing import Any
 from gradsync.components import (
     CheckContext,
     ConfigError,
+    accepts,
     build,
     check,
     config_args,
@@ -96,15 +97,16 @@ def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
                               lambda: build_data(data_node, cfg.seed, DATA_EXTRA)),
                         builder, cfg.data.target)
     check_sizes(model_node, cfg.data.target, data.sizes)
-    check("model", model_node, tuple(data.sizes), replace(ctx, group="model"))
+    check("model", model_node, tuple(data.sizes),
+          replace(ctx, group="model", provided=ctx.provided | {"sizes": data.sizes}))
     model = built("model", cfg.model.target, lambda: build_on_meta(model_node, data.sizes))
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
                           "torch.nn.Module")
     tensors = [*model.parameters(), *model.buffers()]
-    require_fits(sum(t.numel() * t.element_size() for t in tensors), "model",
-                 f"its {sum(p.numel() for p in model.parameters()):,} parameters",
-                 cfg.model.target)
+    require_fits(sum(t.numel() * t.element_size() for t in tensors),
+                 f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
+                 "parameters and buffers")
     # sync.groups: every rule must match one of the model's parameters
     ctx.provided["parameters"] = lambda: [(n, tuple(p.shape), p.dtype)
                                           for n, p in model.named_parameters()]
@@ -203,16 +205,16 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
                 "a _target_ (package.module.callable) and its keyword arguments", plain[group])
     data = plain["data"]
-    require(isinstance(data.get("micro_batch_size"), int)
-            and not isinstance(data["micro_batch_size"], bool) and data["micro_batch_size"] >= 1,
+    require(accepts(int, data.get("micro_batch_size")) and data["micro_batch_size"] >= 1,
             "data.micro_batch_size", "an integer >= 1", data.get("micro_batch_size"))
     if placement is None:
         placement = place_job(plain["trainer"]["backend"], plain["trainer"]["devices"])
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(placement.device_type)
-    require(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**63, "seed",
+    require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)
-    require(cfg.resume in ("none", "auto") or os.path.exists(cfg.resume), "resume",
+    require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")
+                                             or os.path.exists(cfg.resume)), "resume",
             "none, auto, or the path of a checkpoint file or run dir", cfg.resume)
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)

@@ -26,6 +26,7 @@ from gradsync.components import (
     config_args,
     kind_of,
     require,
+    require_fits,
 )
 from gradsync.train.repro import derive_seed, seeded
 
@@ -202,6 +203,10 @@ def _check_synthetic(a: dict[str, Any], ctx: CheckContext) -> None:
     for key in ("num_samples", "eval_samples", "in_dim", "out_dim"):
         require(a[key] >= 1, f"data.{key}", "an integer >= 1", a[key])
     require(0.0 <= a["noise"] < math.inf, "data.noise", "a finite number >= 0", a["noise"])
+    n, d, k = a["num_samples"] + a["eval_samples"], a["in_dim"], a["out_dim"]
+    require_fits(4 * n * (d + 2 * 64 + 3 * k),  # x, its hidden layer, y and its noise
+                 f"data: num_samples={a['num_samples']} + eval_samples={a['eval_samples']} "
+                 f"samples of in_dim={d}, out_dim={k}")
 
 
 @checks(_check_synthetic)
@@ -223,6 +228,8 @@ def synthetic(seed: int, num_samples: int = 2048, eval_samples: int = 512, in_di
 def _check_digits(a: dict[str, Any], ctx: CheckContext) -> None:
     require(0.0 < a["test_fraction"] < 1.0, "data.test_fraction", "a number in (0, 1)",
             a["test_fraction"])
+    require(a["split_seed"] >= 0, "data.split_seed", "an integer >= 0 (NumPy's seeds)",
+            a["split_seed"])
 
 
 @checks(_check_digits)
@@ -308,6 +315,11 @@ def _check_synthetic_lm(a: dict[str, Any], ctx: CheckContext) -> None:
     require(1 <= a["max_stride"] < a["vocab_size"], "data.max_stride",
             f"an integer in [1, data.vocab_size={a['vocab_size']})", a["max_stride"])
     require(0.0 <= a["noise"] <= 1.0, "data.noise", "a number in [0, 1]", a["noise"])
+    # each sequence: its int64 tokens (and as much again while it is made) and a tensor object
+    mean_len = (a["min_len"] + a["max_len"]) / 2
+    require_fits((a["num_samples"] + a["eval_samples"]) * (16 * mean_len + 400),
+                 f"data: num_samples={a['num_samples']} + eval_samples={a['eval_samples']} "
+                 f"sequences of min_len={a['min_len']} to max_len={a['max_len']} tokens")
 
 
 @checks(_check_synthetic_lm)
