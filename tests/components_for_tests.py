@@ -144,3 +144,20 @@ class SyncFirstOnly:
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return micro_index == 0
+
+
+def digits_without_eval(test_fraction: float = 0.2, split_seed: int = 0):
+    """No held-out samples: the final evaluation would divide by zero."""
+    from gradsync.data import digits
+    from gradsync.data.bundle import TokenSequences
+
+    return replace(digits(test_fraction, split_seed), eval=TokenSequences([]))
+
+
+def data_from_the_global_stream(seed: int, num_samples: int = 8):
+    """Draws from torch's global stream (not a generator of its own)."""
+    from gradsync.data import DataBundle, mse_per_sample
+
+    x, y = torch.randn(num_samples, 2), torch.randn(num_samples, 1)
+    ds = torch.utils.data.TensorDataset(x, y)
+    return DataBundle(ds, ds, mse_per_sample, {"in_dim": 2, "out_dim": 1})

@@ -342,6 +342,8 @@ WRONG_KIND = [
                "micro_batch_size": 16}},
      "data (components_for_tests.digits_lacking_a_size): @provides names n_classes, which its "
      "DataBundle's sizes lack (they are in_dim, out_dim)"),
+    ({"data": {"_target_": "components_for_tests.digits_without_eval", "micro_batch_size": 16}},
+     "data (components_for_tests.digits_without_eval): its DataBundle's eval set is empty"),
     ({"optimizer": {"_target_": "components_for_tests.list_optimizer", "_partial_": True}},
      "optimizer (components_for_tests.list_optimizer): returned a list, which is no "
      "torch.optim.Optimizer"),

@@ -109,11 +109,17 @@ def check_bundle(bundle: Any, builder: Any, target: str) -> DataBundle:
         raise ConfigError(f"data ({target}): returned {kind_of(bundle)}, which is no "
                           "gradsync.data.DataBundle (train, eval, loss, sizes, ...: "
                           "docs/components.md)")
-    if not (isinstance(bundle.sizes, dict) and all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-            for k, v in bundle.sizes.items())):
+    if not (isinstance(bundle.sizes, dict) and all(isinstance(k, str) for k in bundle.sizes)):
         raise ConfigError(f"data ({target}): its DataBundle's sizes are {bundle.sizes!r}; "
-                          "expected a dict of names to integers (e.g. {'in_dim': 64})")
+                          "expected a dict of names to sizes (e.g. {'in_dim': 64})")
+    for name in ("train", "eval"):
+        try:
+            n = len(getattr(bundle, name))
+        except TypeError:
+            raise ConfigError(f"data ({target}): its DataBundle's {name} set has no len(): a "
+                              "map-style torch Dataset (the sampler shards it by index)") from None
+        if n < 1:
+            raise ConfigError(f"data ({target}): its DataBundle's {name} set is empty")
     declared = getattr(builder, "sizes", None)
     lacking = [name for name in declared or () if name not in bundle.sizes]
     if lacking:
