@@ -3,6 +3,7 @@ input fails with one line, exit code 2, no worker and no run dir."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -288,6 +289,9 @@ def entry_point_error(argv: list[str], cwd: Path, tmp_path: Path, monkeypatch, c
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(cwd))  # as the entry point does for the directory it runs in
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # the entry point sets it: restored afterwards
+    for key in list(os.environ):  # not a rank of anything (the suite may run inside a SLURM job)
+        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(key)
     run_dir = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
     with pytest.raises(SystemExit) as exit_:
