@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradsync.components import CheckContext, checks
+from gradsync.data import provides
 
 
 def _divide_by_zero(args: dict[str, Any], ctx: CheckContext) -> None:
@@ -43,8 +46,118 @@ class CorruptRank1After:
                 next(iter(model.parameters()))[0].add_(1e-3)
 
 
+class Unreadable(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        raise ValueError("the data cannot be loaded (a test aid)")
+
+
 def data_that_fails(seed: int, num_samples: int = 2048, eval_samples: int = 512,
                     in_dim: int = 32, out_dim: int = 8, noise: float = 0.05):
-    """data=synthetic's keys, but building it fails in every worker (after the config was
-    checked)."""
-    raise ValueError("the data cannot be loaded (a test aid)")
+    """data=synthetic's keys, but its samples cannot be read: builds (the config check passes),
+    then fails in every worker on its first micro-batch."""
+    from gradsync.data import synthetic
+
+    return replace(synthetic(seed, 64, 16, in_dim, out_dim, noise), train=Unreadable())
+
+
+# --- contract breaks (issue 21): each must be refused before any worker starts, or on the
+# first micro-batch, in one line naming the component ----------------------------------------
+
+def not_a_model(in_dim: int, out_dim: int):
+    """A model builder returning layers in a list instead of an nn.Module."""
+    return [nn.Linear(in_dim, out_dim)]
+
+
+class ImageModel(nn.Module):
+    """A model that needs sizes of its own naming (digits gives in_dim, out_dim)."""
+
+    def __init__(self, image_size: int, num_classes: int):
+        super().__init__()
+        self.head = nn.Linear(image_size * image_size, num_classes)
+
+
+def not_data(test_fraction: float = 0.2, split_seed: int = 0):
+    """A data builder returning a dict of its parts instead of a DataBundle."""
+    from gradsync.data import digits
+
+    return vars(digits(test_fraction, split_seed))
+
+
+@provides("in_dim", "out_dim", "n_classes")
+def digits_lacking_a_size(test_fraction: float = 0.2, split_seed: int = 0):
+    """@provides names n_classes; the bundle has in_dim and out_dim only."""
+    from gradsync.data import digits
+
+    return digits(test_fraction, split_seed)
+
+
+def mean_loss(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's mean, not per-sample sums and counts: it trains, wrongly."""
+    return F.cross_entropy(out, y), torch.tensor(len(y))
+
+
+def per_sample_correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """1 per sample predicted right, not their count."""
+    return (out.argmax(dim=-1) == y).long()
+
+
+def digits_with_mean_loss(test_fraction: float = 0.2, split_seed: int = 0):
+    from gradsync.data import digits
+
+    return replace(digits(test_fraction, split_seed), loss=mean_loss)
+
+
+def digits_with_per_sample_correct(test_fraction: float = 0.2, split_seed: int = 0):
+    from gradsync.data import digits
+
+    return replace(digits(test_fraction, split_seed), correct=per_sample_correct)
+
+
+def list_optimizer(params, lr: float = 0.1):
+    """An optimizer factory returning a list."""
+    return [torch.optim.SGD(params, lr=lr)]
+
+
+def no_scheduler(optimizer):
+    """An LR scheduler factory that forgot its return."""
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+class NoShouldSync:
+    """A policy whose one method is misspelt."""
+
+    def should_synch(self, micro_index: int, window_size: int) -> bool:
+        return True
+
+
+class ShouldSyncOfOneArgument:
+    def should_sync(self, micro_index: int) -> bool:
+        return True
+
+
+class SyncFirstOnly:
+    """Synchronises a window's first micro-batch, not its last: the later gradients stay
+    local."""
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return micro_index == 0
+
+
+def digits_without_eval(test_fraction: float = 0.2, split_seed: int = 0):
+    """No held-out samples: the final evaluation would divide by zero."""
+    from gradsync.data import digits
+    from gradsync.data.bundle import TokenSequences
+
+    return replace(digits(test_fraction, split_seed), eval=TokenSequences([]))
+
+
+def data_from_the_global_stream(seed: int, num_samples: int = 8):
+    """Draws from torch's global stream (not a generator of its own)."""
+    from gradsync.data import DataBundle, mse_per_sample
+
+    x, y = torch.randn(num_samples, 2), torch.randn(num_samples, 1)
+    ds = torch.utils.data.TensorDataset(x, y)
+    return DataBundle(ds, ds, mse_per_sample, {"in_dim": 2, "out_dim": 1})

@@ -45,6 +45,28 @@ def test_a_policy_needs_only_should_sync():
     p.finish(torch.nn.Linear(1, 1))
 
 
+def test_data_is_built_once_per_process_and_from_the_seed_alone():
+    """The config check builds the data and keeps it; a rank forked from the checking process
+    takes it; wherever it is built, it is the same data (the global streams seeded from the
+    run seed, the caller's left as they were)."""
+    from gradsync.data.bundle import build_data
+
+    node = {"_target_": "components_for_tests.data_from_the_global_stream",
+            "micro_batch_size": 4}
+    torch.manual_seed(123)
+    checked = build_data(node, 7)
+    assert build_data(node, 7) is checked  # +inspect=params, the sync.groups check
+    assert build_data(node, 7, take=True) is checked  # the rank
+    torch.manual_seed(999)
+    state = torch.get_rng_state()
+    again = build_data(node, 7, take=True)  # taken: built anew
+    assert again is not checked
+    assert torch.equal(again.train.tensors[0], checked.train.tensors[0])
+    assert torch.equal(torch.get_rng_state(), state)
+    other = build_data(node, 8)
+    assert not torch.equal(other.train.tensors[0], checked.train.tensors[0])
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2, tmp_path):
@@ -53,8 +75,43 @@ def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "UnsyncedWindow")
     for m in messages:
         assert m.startswith("sync policy 'NeverSync' ends a window of 2 micro-batches "
-                            "(micro-batches 0-1 of the epoch) inside no_sync()")
+                            "(micro-batches 0-1 of the epoch) inside no_sync(): no micro-batch "
+                            "of the window synchronised: no gradient was all-reduced, so every "
+                            "rank would step on gradients of its own"), m
     assert not (tmp_path / "checkpoints").exists()  # no step was taken, nothing written
+    # a policy that synchronised an earlier micro-batch of the window is told so
+    cfg = with_policy("components_for_tests.SyncFirstOnly", ["schedule.accum_steps=3"])
+    messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path / "first"),
+                         "UnsyncedWindow")
+    for m in messages:
+        assert m.startswith("sync policy 'SyncFirstOnly' ends a window of 3 micro-batches "
+                            "(micro-batches 0-2 of the epoch) inside no_sync(): micro-batch 0 "
+                            "synchronised, but micro-batches 1-2 (the last included) did not: "
+                            "the gradients accumulated after it were never all-reduced"), m
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("data,expected", [
+    ("components_for_tests.digits_with_mean_loss",
+     "data (components_for_tests.digits_with_mean_loss): loss(output, target) returned a tuple "
+     "of 2: a tensor of shape [], a tensor of shape []; expected per-sample loss sums and unit "
+     "counts, each a tensor of shape [8] for the micro-batch's 8 kept samples"),
+    ("components_for_tests.digits_with_per_sample_correct",
+     "data (components_for_tests.digits_with_per_sample_correct): correct(output, target) "
+     "returned a tensor of shape [8]; expected a scalar count of the units predicted right"),
+])
+def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(pool2, tmp_path,
+                                                                            data, expected):
+    """A loss returning the micro-batch's mean trains, wrongly, and a per-sample `correct`
+    fails only at the final evaluation: both stop every rank at its first micro-batch."""
+    cfg = plain_cfg([a for a in TINY if not a.startswith("data")])
+    cfg["data"] = {"_target_": data, "micro_batch_size": 8}
+    validate(cfg)  # nothing to see before training: the bundle is a DataBundle
+    messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "ContractError")
+    for m in messages:
+        assert m.startswith(expected), m
+    assert not (tmp_path / "checkpoints").exists()  # no step was taken
 
 
 @pytest.mark.slow
@@ -104,6 +161,28 @@ def test_the_example_project_runs_from_its_own_directory(tmp_path, cli_env):
     ckpt = checkpoint.load(run / "checkpoints" / "last.pt")
     assert ckpt["model"]["0.weight"].shape == (16, 1, 3, 3)  # the CNN's first convolution
     assert ckpt["policy"] == {"windows_done": 5}
+
+
+@pytest.mark.slow
+def test_inspect_params_composes_through_config_dir_and_leaves_nothing(tmp_path, cli_env):
+    """+inspect=params with --config-dir and an experiment of the project's own: the CNN's
+    parameters (not the default MLP's), nothing trained, no run dir."""
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "examples" / "cnn_digits", project)
+    shown = cli(["--config-dir", "conf", "experiment=cnn", "model.channels=4", "+inspect=params",
+                 "hydra.run.dir=out/run"], project, cli_env)
+    assert shown.returncode == 0, shown.stderr
+    rows = {}
+    for line in shown.stdout.splitlines():
+        if line[:1].isdigit():  # name [shape] bytes rule
+            name, rest = line.split(maxsplit=1)
+            shape, _, after = rest.partition("]")
+            rows[name] = (shape + "]", int(after.split()[0]))
+    # conv 1->4 3x3, conv 4->4 3x3, linear 4*4*4 -> 10 (8x8 images pooled to 4x4): the CNN
+    assert rows == {"0.weight": ("[4, 1, 3, 3]", 144), "0.bias": ("[4]", 16),
+                    "2.weight": ("[4, 4, 3, 3]", 576), "2.bias": ("[4]", 16),
+                    "6.weight": ("[10, 64]", 2560), "6.bias": ("[10]", 40)}, shown.stdout
+    assert not (project / "out").exists() and not (project / "outputs").exists()
 
 
 @pytest.mark.slow

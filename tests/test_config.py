@@ -3,6 +3,7 @@ input fails with one line, exit code 2, no worker and no run dir."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,16 @@ REFUSED = [
     (["trainer.bucket_cap_mb=0"], "trainer.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
+    # issue 26: values that reached the workers (tests/test_options.py covers every option)
+    (["optimizer.fused=maybe"],
+     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes bool | None"),
+    (["data.split_seed=-1"], "data.split_seed=-1 is not allowed: an integer >= 0"),
+    (["trainer.timeout_s=100000000000000000000"],
+     "trainer.timeout_s=100000000000000000000 is not allowed: an integer >= 1 (at most "
+     "1000000000)"),
+    (["model.hidden_sizes=[1000000000000]"], "model.hidden_sizes=[1000000000000]: the MLP's "
+     "75,000,000,000,010 parameters (in_dim=64, out_dim=10 from the data) would take 272.8 "
+     "TiB, more than this machine's memory"),
 ]
 
 
@@ -202,6 +213,16 @@ BAD = [
     (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
     (["data.test_fraction=1.5"], "data.test_fraction=1.5 is not allowed: a number in (0, 1)"),
+    # the policy contract (sync/policy.py), checked before any worker starts
+    (["sync._target_=components_for_tests.NoShouldSync", "~sync.compression",
+      "~sync.powersgd_rank", "~sync.powersgd_start_step", "~sync.groups"],
+     "sync (components_for_tests.NoShouldSync): returned a NoShouldSync, which is no sync "
+     "policy: a sync policy has a method should_sync(micro_index, window_size) -> bool"),
+    (["sync._target_=components_for_tests.ShouldSyncOfOneArgument", "~sync.compression",
+      "~sync.powersgd_rank", "~sync.powersgd_start_step", "~sync.groups"],
+     "sync (components_for_tests.ShouldSyncOfOneArgument): "
+     "ShouldSyncOfOneArgument.should_sync(micro_index: 'int') -> 'bool' cannot be called as "
+     "should_sync(micro_index, window_size)"),
 ]
 
 
@@ -253,3 +274,95 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
         assert moved == 0  # the same bits: fused is a free speed-up for SGD
     else:
         assert moved < 1e-6
+
+
+# --- errors name the component actually composed (issue 21) ---------------------------------
+EXAMPLE = Path(CONF_DIR).parent / "examples" / "cnn_digits"
+TESTS = Path(__file__).parent
+
+
+def entry_point_error(argv: list[str], cwd: Path, tmp_path: Path, monkeypatch, capsys) -> str:
+    """gradsync-train's one line for a command line Hydra cannot compose, run in this process
+    (nothing is started): exit code 2, one line, no run dir."""
+    from gradsync.run import main as entry
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # as the entry point does for the directory it runs in
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # the entry point sets it: restored afterwards
+    for key in list(os.environ):  # not a rank of anything (the suite may run inside a SLURM job)
+        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(key)
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert not run_dir.exists()
+    return lines[0].removeprefix("gradsync: config error: ")
+
+
+CNN_KEYS = "model.chanels: unknown key for digits_cnn.model.SmallCNN; accepted keys: channels"
+NAMED = [
+    (EXAMPLE, ["--config-dir", "conf", "experiment=cnn", "model.chanels=8"], CNN_KEYS),
+    (EXAMPLE, ["--config-dir", "conf", "model=cnn", "data=digit_images", "model.chanels=8"],
+     CNN_KEYS),
+    (TESTS, ["experiment=lm_accum_sweep", "model.foo=1"],
+     "model.foo: unknown key for gradsync.models.Transformer; accepted keys: d_model, "
+     "mlp_ratio, n_heads, n_layers"),
+    (TESTS, ["sync=always", "sync.foo=1"],
+     "sync.foo: unknown key for gradsync.sync.policies.AlwaysSync, which takes no keys"),
+    # a keyword the target takes that its YAML does not list: Hydra needs the '+'
+    (TESTS, ["optimizer.dampening=0.1"],
+     "optimizer.dampening: not in the config of torch.optim.SGD, which takes it: add it with "
+     "+optimizer.dampening=0.1"),
+]
+
+
+@pytest.mark.parametrize("cwd,argv,expected", NAMED, ids=[" ".join(a) for _, a, _ in NAMED])
+def test_an_unknown_key_names_the_component_composed_and_its_keys(cwd, argv, expected, tmp_path,
+                                                                   monkeypatch, capsys):
+    """Through --config-dir, experiment presets and group choices: what Hydra composed, not
+    what conf/<group>/<option>.yaml of the repo holds."""
+    assert entry_point_error(argv, cwd, tmp_path, monkeypatch, capsys) == expected
+
+
+# --- a _target_ that returns the wrong kind of object, refused before any worker starts -----
+def with_nodes(**nodes) -> dict:
+    cfg = compose_plain([])
+    for group, node in nodes.items():
+        cfg[group] = node
+    return cfg
+
+
+WRONG_KIND = [
+    ({"model": {"_target_": "components_for_tests.not_a_model"}},
+     "model (components_for_tests.not_a_model): returned a list, which is no torch.nn.Module"),
+    ({"data": {"_target_": "components_for_tests.not_data", "micro_batch_size": 16}},
+     "data (components_for_tests.not_data): returned a dict, which is no "
+     "gradsync.data.DataBundle"),
+    ({"data": {"_target_": "components_for_tests.digits_lacking_a_size",
+               "micro_batch_size": 16}},
+     "data (components_for_tests.digits_lacking_a_size): @provides names n_classes, which its "
+     "DataBundle's sizes lack (they are in_dim, out_dim)"),
+    ({"data": {"_target_": "components_for_tests.digits_without_eval", "micro_batch_size": 16}},
+     "data (components_for_tests.digits_without_eval): its DataBundle's eval set is empty"),
+    ({"optimizer": {"_target_": "components_for_tests.list_optimizer", "_partial_": True}},
+     "optimizer (components_for_tests.list_optimizer): returned a list, which is no "
+     "torch.optim.Optimizer"),
+    ({"lr_scheduler": {"_target_": "components_for_tests.no_scheduler"}},
+     "lr_scheduler (components_for_tests.no_scheduler): returned None, which is no LR "
+     "scheduler (it needs step, state_dict and load_state_dict)"),
+    # the documented missing-size error for a size name of one's own
+    ({"model": {"_target_": "components_for_tests.ImageModel"}},
+     "model: components_for_tests.ImageModel needs image_size, which data "
+     "(gradsync.data.digits) does not provide (it provides in_dim, out_dim)"),
+]
+
+
+@pytest.mark.parametrize("nodes,expected", WRONG_KIND, ids=[str(n) for n, _ in WRONG_KIND])
+def test_a_component_returning_the_wrong_kind_of_object_is_refused(nodes, expected):
+    with pytest.raises(ConfigError) as err:
+        validate(with_nodes(**nodes))
+    assert str(err.value).startswith(expected), str(err.value)

@@ -28,9 +28,46 @@ class ConfigError(ValueError):
     """Bad configuration: reported as one line naming the key and what is allowed."""
 
 
+class ContractError(TypeError):
+    """A component broke its contract at run time (a data set's loss returning a mean instead
+    of per-sample sums and counts, say): one line naming the component, what it returned and
+    what is expected."""
+
+
 def require(ok: bool, key: str, allowed: str, got: Any) -> None:
     if not ok:
         raise ConfigError(f"{key}={got!r} is not allowed: {allowed}")
+
+
+def kind_of(obj: Any) -> str:
+    """What a component returned, for messages: None, a list, a Linear..."""
+    return "None" if obj is None else f"a {type(obj).__qualname__}"
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): what a check
+    holds sizes against that no run here could allocate."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def require_fits(nbytes: float, what: str) -> None:
+    """Refuse what would take more than this machine's memory (nbytes, counted from the
+    config before anything is allocated): `what` names the keys it comes from."""
+    memory = machine_memory()
+    if memory is not None and nbytes > memory:
+        raise ConfigError(f"{what} would take {_size(nbytes)}, more than this machine's memory "
+                          f"({_size(memory)})")
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if nbytes < 1024 or unit == "PiB":
+            return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
 
 
 def checks(check: Callable[..., None]) -> Callable[[Any], Any]:
@@ -135,7 +172,7 @@ def takes_any_keyword(target: Any) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def _hints(target: Any) -> dict[str, Any]:
+def hints(target: Any) -> dict[str, Any]:
     fn = target.__init__ if inspect.isclass(target) else target
     try:
         return typing.get_type_hints(fn)
@@ -146,13 +183,15 @@ def _hints(target: Any) -> dict[str, Any]:
 _SCALARS = (bool, int, float, str)
 
 
-def _accepts(hint: Any, value: Any) -> bool:
+def accepts(hint: Any, value: Any) -> bool:
     """A conservative type check: only plain scalars, lists and their unions are checked."""
     if hint is Any or value is None and _is_optional(hint):
         return True
+    if hint is type(None):
+        return value is None
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_accepts(h, value) for h in typing.get_args(hint))
+        return any(accepts(h, value) for h in typing.get_args(hint))
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -166,8 +205,8 @@ def _accepts(hint: Any, value: Any) -> bool:
         if not isinstance(value, (list, tuple)):
             return False
         if origin is tuple and args and args[-1] is not Ellipsis:  # tuple[X, Y]: fixed length
-            return len(value) == len(args) and all(map(_accepts, args, value))
-        return not args or all(_accepts(args[0], v) for v in value)
+            return len(value) == len(args) and all(map(accepts, args, value))
+        return not args or all(accepts(args[0], v) for v in value)
     return True  # anything else (dicts, classes, callables): the component checks it
 
 
@@ -204,10 +243,10 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
         if p.default is p.empty and name not in args and name not in runtime \
                 and not node.get("_partial_"):
             raise ConfigError(f"{group}.{name}: missing; {node['_target_']} requires it")
-    hints = _hints(target)
+    hints_ = hints(target)
     for key, value in args.items():
-        hint = hints.get(key)
-        if hint is not None and not _accepts(hint, value):
+        hint = hints_.get(key)
+        if hint is not None and not accepts(hint, value):
             raise ConfigError(f"{group}.{key}={value!r} is not allowed: {node['_target_']} "
                               f"takes {_type_name(hint)}")
     own = getattr(target, "check_config", None)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.components import CheckContext, checks, require
+from gradsync.components import CheckContext, build, checks, require, require_fits
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -24,12 +24,30 @@ class ModelBuilder(Protocol):
     def __call__(self, **kwargs: Any) -> nn.Module: ...
 
 
+def build_on_meta(node: dict[str, Any], sizes: dict[str, int]) -> Any:
+    """What a model node builds with the data's sizes, on the meta device (the shapes and
+    dtypes of its tensors, no memory for them) where its constructor can run there, else on
+    the CPU: for the config check and +inspect=params."""
+    try:
+        with torch.device("meta"):
+            return build(node, sizes)
+    except Exception:
+        return build(node, sizes)
+
+
 def _check_mlp(a: dict[str, Any], ctx: CheckContext) -> None:
     require(all(h >= 1 for h in a["hidden_sizes"]), "model.hidden_sizes",
             "a list of integers >= 1", a["hidden_sizes"])
     require(a["activation"] in ACTIVATIONS, "model.activation",
             f"one of {', '.join(ACTIVATIONS)}", a["activation"])
     require(0.0 <= a["dropout"] < 1.0, "model.dropout", "a number in [0, 1)", a["dropout"])
+    sizes = ctx.provided.get("sizes")
+    if sizes:  # counted before anything is built: a width of 10**12 never reaches torch
+        widths = [sizes["in_dim"], *a["hidden_sizes"], sizes["out_dim"]]
+        n = sum(i * o + o for i, o in zip(widths[:-1], widths[1:], strict=True))
+        require_fits(4 * n, f"model.hidden_sizes={a['hidden_sizes']!r}: the MLP's {n:,} "
+                            f"parameters (in_dim={sizes['in_dim']}, out_dim={sizes['out_dim']} "
+                            "from the data)")
 
 
 @checks(_check_mlp)
@@ -75,6 +93,14 @@ def _check_transformer(a: dict[str, Any], ctx: CheckContext) -> None:
         require(a[key] >= 1, f"model.{key}", "an integer >= 1", a[key])
     require(a["d_model"] % a["n_heads"] == 0, "model.d_model",
             f"a positive multiple of model.n_heads={a['n_heads']}", a["d_model"])
+    sizes = ctx.provided.get("sizes")
+    if sizes:  # counted before anything is built
+        v, t, d, r = sizes["vocab_size"], sizes["max_len"], a["d_model"], a["mlp_ratio"]
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * r * d + r * d) + (r * d * d + d)
+        n = v * d + t * d + a["n_layers"] * block + 2 * d + d * v + v
+        require_fits(4 * n, f"model: the Transformer's {n:,} parameters (vocab_size={v}, "
+                            f"max_len={t} from the data; d_model={d}, n_layers={a['n_layers']}, "
+                            f"mlp_ratio={r})")
 
 
 @checks(_check_transformer)

@@ -4,11 +4,12 @@ config) turned into one line naming the key and what is allowed."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from gradsync.config.hydra import CONF_DIR, schema_keys
-from gradsync.config.validate import RUNTIME, accepted_keys
+from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
+from gradsync.config.hydra import compose_command_line, node_of, schema_keys
+from gradsync.config.validate import RUNTIME, runtime_arguments
 
 
 def first_line(text: str) -> str:
@@ -16,8 +17,11 @@ def first_line(text: str) -> str:
     return " ".join(lines[:1]) or "unknown error"
 
 
-def one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors as one line naming the key and what is allowed."""
+def one_line(exc: BaseException, argv: Sequence[str] = (),
+             app: Callable[..., Any] | None = None) -> str:
+    """Hydra/OmegaConf errors as one line naming the key and what is allowed. argv and app: the
+    command line and the entry point's Hydra app that failed to compose it (to name the
+    component it chose)."""
     cause = exc.__cause__
     text = f"{exc}\n{cause}" if cause else str(exc)
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
@@ -28,33 +32,39 @@ def one_line(exc: BaseException) -> str:
     full_key = re.search(r"full_key: (\S+)", text)
     if full_key and re.search(r"Key '[^']+' (is )?not in", text):
         obj = re.search(r"object_type=(\w+)", text)
-        group = full_key.group(1).split(".")[0]
+        key = full_key.group(1)
+        group = key.split(".")[0]
         if obj and obj.group(1) == "dict" and group in RUNTIME:
-            node = _chosen_option(group)
-            return (f"{full_key.group(1)}: unknown key for {node.get('_target_')}; accepted "
-                    f"keys: {accepted_keys(group, node)}")
+            return unknown_component_key(key, argv, app)
         keys = sorted(schema_keys(obj.group(1))) if obj else []
-        return f"{full_key.group(1)}: unknown key; allowed keys: {', '.join(keys)}"
+        return f"{key}: unknown key; allowed keys: {', '.join(keys)}"
     if full_key:
         return f"{full_key.group(1)}: {str(cause or exc).strip().splitlines()[0]}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def _chosen_option(group: str) -> dict:
-    """The YAML of a component group's option chosen on the command line (else the default):
-    for an error message about one of its keys."""
-    import yaml
-
-    option = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith(f"{group}=")),
-                  None)
-    if option is None:
-        defaults = yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text())["defaults"]
-        option = next((d[group] for d in defaults if isinstance(d, dict) and group in d), "")
-    path = Path(CONF_DIR) / group / f"{option}.yaml"
+def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any] | None) -> str:
+    """A key a component's composed node lacks (``model.chanels=8``), named against the
+    component Hydra actually composed: the command line composed again without that override
+    (through --config-dir, search paths and experiment presets), its node's ``_target_`` and
+    the keyword arguments that target takes."""
+    group, _, name = key.partition(".")
+    cfg = compose_command_line(list(argv), app, key) if app is not None else None
+    node = node_of(cfg, group)
     try:
-        return yaml.safe_load(path.read_text()) or {}
-    except (OSError, ValueError):
-        return {}
-
-
+        target = locate(node["_target_"]) if node else None
+    except (ConfigError, KeyError, TypeError):
+        target = None
+    if node is None or target is None:
+        return f"{key}: unknown key for the chosen {group}"
+    runtime = runtime_arguments(group, node_of(cfg, "data"))
+    accepted = sorted(n for n in parameters(target) if n not in runtime)
+    keys = (f"; accepted keys: {', '.join(accepted)}" if accepted else ", which takes no keys")
+    if "." not in name and name in runtime:
+        return f"{key}: set by gradsync at run time, not in the config{keys}"
+    if "." not in name and (name in accepted or takes_any_keyword(target)):
+        override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
+        return (f"{key}: not in the config of {node['_target_']}, which takes it: add it with "
+                f"+{override.lstrip('+~')}")
+    return f"{key}: unknown key for {node['_target_']}{keys}"

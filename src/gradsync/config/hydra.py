@@ -7,6 +7,8 @@ the overrides gradsync rewrites before Hydra reads them. Only this package and t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,58 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=config_dir or CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=replace_mappings(overrides))
+
+
+def compose_command_line(argv: list[str], app: Callable[..., Any],
+                         leave_out: str) -> DictConfig | None:
+    """The config Hydra composes for this command line as the entry point's app ``app`` would
+    (Hydra's own argument parser and search path: --config-dir, --config-path, --config-name,
+    hydra.searchpath, experiment presets), without the overrides of key ``leave_out``: what a
+    composition that failed on that key chose. None where it cannot tell (a multirun that
+    sweeps, or a composition that fails for another reason). Mirrors hydra's _run_hydra
+    (Hydra 1.3), the one place that knows its internals."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        get_args_parser,
+    )
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    try:
+        args = get_args_parser().parse_args(argv)
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception:
+        return None
+    if args.multirun and any(o.is_sweep_override() for o in parsed):
+        return None  # which job failed is the sweeper's to know
+    kept = [str(o.input_line) for o in parsed if o.key_or_group.lstrip("+~") != leave_out]
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(app)
+    search_path = create_automatic_config_search_path(calling_file, calling_module,
+                                                      args.config_path or CONF_DIR)
+    if args.config_dir is not None:
+        search_path.prepend(provider="command-line",
+                            path=f"file://{os.path.abspath(args.config_dir)}",
+                            anchor=SearchPathQuery(provider="schema"))
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=search_path)
+        return hydra.compose_config(args.config_name or "config", kept,
+                                    run_mode=RunMode.MULTIRUN if args.multirun else RunMode.RUN)
+    except Exception:
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def node_of(cfg: DictConfig | None, group: str) -> dict[str, Any] | None:
+    """A group's node of a composed config as plain data (None: none there)."""
+    try:
+        node = OmegaConf.to_container(cfg[group], resolve=True) if cfg is not None else None
+    except Exception:
+        return None
+    return node if isinstance(node, dict) else None  # type: ignore[return-value]

@@ -11,25 +11,53 @@ starts; workers, tests and the benchmark see only this module.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from gradsync.components import ConfigError, require
+from gradsync.components import ConfigError, accepts, require
 
 
 def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _at_least(obj: Any, group: str, lows: dict[str, int]) -> None:
-    for key, low in lows.items():
+def check_types(obj: Any, group: str) -> None:
+    """Every field of a settings dataclass holds a value of its annotated type (a bool is no
+    integer, a string no bool): the first check of each ``check()``, so that the range checks
+    after it compare numbers with numbers."""
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        value = getattr(obj, name)
+        require(accepts(hint, value), f"{group}.{name}", TYPE_NAMES.get(hint, str(hint)), value)
+
+
+TYPE_NAMES: dict[Any, str] = {int: "an integer", float: "a number", bool: "true or false",
+                              str: "a string", bool | None: "true, false or null"}
+
+
+def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -> None:
+    """Integer fields within [low, high] (high None: no upper bound)."""
+    for key, (low, high) in ranges.items():
         value = getattr(obj, key)
-        require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-                f"{group}.{key}", f"an integer >= {low}", value)
+        allowed = f"an integer >= {low}" + ("" if high is None else f" (at most {high})")
+        require(value >= low and (high is None or value <= high), f"{group}.{key}", allowed,
+                value)
 
 
 ENGINES = ("torch_ddp",)  # trainer.engine (gradsync/engines)
 ALLREDUCE = ("auto", "shared_memory", "process_group")
+BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
+# Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
+# one rank, DataLoader worker processes of one rank.
+MAX_LOCAL_RANKS = 1024
+MAX_THREADS = 1024
+MAX_LOADER_WORKERS = 256
+MAX_EPOCHS = 10**6  # the run's epochs are planned one by one at its start
+# A process group's timeout: torch's clocks count nanoseconds in 64 bits (about 292 years),
+# Python's timedelta fewer than 10**14 seconds; 10**9 s (31 years) is far from both.
+MAX_TIMEOUT_S = 10**9
+MAX_BUCKET_CAP_MB = 2**20  # a 1 TiB bucket: more than any model's gradients on one rank
+MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
 @dataclass
@@ -58,18 +86,24 @@ class TrainerConfig:
 
     def check(self, device_type: str) -> None:
         """device_type: where the ranks compute (the job's placement), cpu or cuda."""
-        _at_least(self, "trainer", {"devices": 1, "max_epochs": 1, "log_every": 1,
-                                    "eval_every": 0, "threads_per_worker": 0, "timeout_s": 1,
-                                    "checkpoint_every": 0, "keep_checkpoints": 1,
-                                    "num_workers": 0, "check_replicas": 0})
+        check_types(self, "trainer")
+        _in_range(self, "trainer", {
+            "devices": (1, MAX_LOCAL_RANKS), "max_epochs": (1, MAX_EPOCHS),
+            "log_every": (1, None), "eval_every": (0, None),
+            "threads_per_worker": (0, MAX_THREADS), "timeout_s": (1, MAX_TIMEOUT_S),
+            "checkpoint_every": (0, None), "keep_checkpoints": (1, None),
+            "num_workers": (0, MAX_LOADER_WORKERS), "check_replicas": (0, None)})
         require(self.max_steps == -1 or self.max_steps >= 1, "trainer.max_steps",
                 "-1 (no limit) or an integer >= 1", self.max_steps)
         require(self.fail_at_step == -1 or self.fail_at_step >= 1, "trainer.fail_at_step",
                 "-1 (never) or an integer >= 1", self.fail_at_step)
         require(finite(self.clip_grad_norm) and self.clip_grad_norm >= 0,
                 "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
-        require(finite(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "trainer.bucket_cap_mb",
-                "a finite number > 0", self.bucket_cap_mb)
+        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
+                "trainer.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
+                self.bucket_cap_mb)
+        require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
+                self.backend)
         require(self.engine in ENGINES, "trainer.engine", f"one of {', '.join(ENGINES)}",
                 self.engine)
         require(self.allreduce in ALLREDUCE, "trainer.allreduce",
@@ -85,6 +119,7 @@ class ConstantScheduleConfig:
     accum_steps: int = 1
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
+        check_types(self, "schedule")
         require(self.accum_steps >= 1, "schedule.accum_steps", "an integer >= 1",
                 self.accum_steps)
 
@@ -98,9 +133,10 @@ class EpochwiseScheduleConfig:
     accum_steps_by_epoch: Any = field(default_factory=lambda: {0: 1})
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
+        check_types(self, "schedule")
         by_epoch = self.accum_steps_by_epoch
         require(isinstance(by_epoch, dict) and all(
-            isinstance(e, int) and isinstance(n, int) for e, n in by_epoch.items()),
+            accepts(int, e) and accepts(int, n) for e, n in by_epoch.items()),
             "schedule.accum_steps_by_epoch", "a mapping {first_epoch: accum_steps} of integers",
             by_epoch)
         require(0 in by_epoch, "schedule.accum_steps_by_epoch",
@@ -118,6 +154,7 @@ class GlobalBatchScheduleConfig:
     global_batch_size: int = 256
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
+        check_types(self, "schedule")
         gb, per_window = self.global_batch_size, world_size * micro_batch_size
         require(gb >= 1 and gb % per_window == 0, "schedule.global_batch_size",
                 f"a positive multiple of world_size x data.micro_batch_size = {world_size} x "
@@ -146,6 +183,7 @@ class PrecisionConfig:
         an op here, which would put a CUDA context on GPU 0)."""
         from gradsync.train.precision import autocast_runs  # torch: only when checked
 
+        check_types(self, "precision")
         require(self.name in PRECISIONS, "precision.name", f"one of {', '.join(PRECISIONS)}",
                 self.name)
         if device_type == "cpu" and not autocast_runs(self.name, device_type):
@@ -153,9 +191,11 @@ class PrecisionConfig:
             raise ConfigError(f"precision.name={self.name!r} cannot run on {device_type} "
                               "(torch autocast falls back to fp32 there): choose one of "
                               f"{', '.join(runnable)}")
-        require(finite(self.init_scale) and self.init_scale > 0, "precision.init_scale",
-                "a finite number > 0", self.init_scale)
-        require(self.growth_interval >= 1, "precision.growth_interval", "an integer >= 1",
+        require(finite(self.init_scale) and 0 < self.init_scale <= MAX_FLOAT32,
+                "precision.init_scale", "a finite number > 0 (a float32: at most 3.4e38)",
+                self.init_scale)
+        require(1 <= self.growth_interval < 2**31, "precision.growth_interval",
+                "an integer in [1, 2**31) (the scaler counts its steps in an int32)",
                 self.growth_interval)
         require(finite(self.growth_factor) and self.growth_factor > 1,
                 "precision.growth_factor", "a finite number > 1", self.growth_factor)
@@ -173,6 +213,7 @@ class LossConfig:
 
     def check(self, unit: str, data_target: str) -> None:
         """unit: what the data's loss counts (samples or tokens)."""
+        check_types(self, "loss")
         require(self.normalize in NORMALIZE, "loss.normalize", f"one of {', '.join(NORMALIZE)}",
                 self.normalize)
         if self.normalize == "tokens" and unit != "tokens":

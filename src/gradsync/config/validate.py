@@ -7,20 +7,24 @@ one line naming the key and what is allowed. No Hydra here.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
 from gradsync.components import (
     CheckContext,
     ConfigError,
+    accepts,
     build,
     check,
+    config_args,
+    kind_of,
     locate,
     parameters,
     require,
+    require_fits,
 )
 from gradsync.config.schema import (
     COMPONENTS,
@@ -29,8 +33,10 @@ from gradsync.config.schema import (
     TOP_KEYS,
     RunConfig,
 )
+from gradsync.data.bundle import build_data, check_bundle
+from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
-from gradsync.sync.layer_sync import model_parameters
+from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
 
@@ -61,42 +67,87 @@ RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "worl
 EXTRA = {"data": DATA_EXTRA}  # keys of a node that the loop reads, not the target
 
 
-def accepted_keys(group: str, node: dict[str, Any]) -> str:
-    """A component group's accepted keys, for messages."""
+def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The names the worker passes a group's component itself: for the model, the sizes the
+    data declares with @provides (the built-in size names if it declares none)."""
+    if group != "model" or not data_node:
+        return RUNTIME.get(group, ())
     try:
-        names = parameters(locate(node["_target_"]))
+        return tuple(getattr(locate(data_node["_target_"]), "sizes", DATA_SIZES))
     except (ConfigError, KeyError, TypeError):
-        return ""
-    return ", ".join(sorted(n for n in names if n not in RUNTIME.get(group, ())))
+        return DATA_SIZES
 
 
 def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
-    """Every component against its callable's signature and own checks; then what components
-    must agree on: the sizes the model needs and the data provides, the loss's unit; the sync
-    policy meets the policy contract."""
+    """Every component against its callable's signature and own checks, then against its
+    contract, built as a worker builds it: the data (built once per process: data/bundle.py
+    build_data) is a DataBundle with the sizes it declares; every size the model needs is
+    one the data provides; the model (built on the meta device: no memory for the weights) is
+    an nn.Module that fits in this machine's memory; the optimizer factory returns an
+    optimizer and the LR scheduler factory a scheduler; the loss's unit; the sync policy meets
+    the policy contract."""
+    import torch
+
     data_node, model_node = plain["data"], plain["model"]
     ctx = CheckContext("", world, cfg.precision.name, provided={
         "allreduce": cfg.trainer.allreduce,
-        "clip_grad_norm": cfg.trainer.clip_grad_norm,
-        # the model's (name, shape, dtype) of every parameter, built on the meta device when a
-        # check asks (sync.groups); after the data and model checks passed
-        "parameters": functools.cache(lambda: model_parameters(model_node, data_node, cfg.seed,
-                                                               DATA_EXTRA))})
-    data = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"), DATA_EXTRA)
-    provides = tuple(getattr(data, "sizes", DATA_SIZES))
-    unit = getattr(data, "unit", "samples")
-    # the model gets the data's sizes that it names: those are not config keys
-    for name, p in parameters(locate(model_node["_target_"], "model._target_")).items():
-        if name in DATA_SIZES and p.default is p.empty and name not in provides:
-            raise ConfigError(f"model: {model_node['_target_']} needs {name}, which "
-                              f"data ({data_node['_target_']}) does not provide (it "
-                              f"provides {', '.join(provides)})")
-    check("model", model_node, provides, replace(ctx, group="model"))
+        "clip_grad_norm": cfg.trainer.clip_grad_norm})
+    builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"), DATA_EXTRA)
+    data = check_bundle(built("data", cfg.data.target,
+                              lambda: build_data(data_node, cfg.seed, DATA_EXTRA)),
+                        builder, cfg.data.target)
+    check_sizes(model_node, cfg.data.target, data.sizes)
+    check("model", model_node, tuple(data.sizes),
+          replace(ctx, group="model", provided=ctx.provided | {"sizes": data.sizes}))
+    model = built("model", cfg.model.target, lambda: build_on_meta(model_node, data.sizes))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
+                          "torch.nn.Module")
+    tensors = [*model.parameters(), *model.buffers()]
+    require_fits(sum(t.numel() * t.element_size() for t in tensors),
+                 f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
+                 "parameters and buffers")
+    # sync.groups: every rule must match one of the model's parameters
+    ctx.provided["parameters"] = lambda: [(n, tuple(p.shape), p.dtype)
+                                          for n, p in model.named_parameters()]
     for group in ("sync", "optimizer", "lr_scheduler"):
         check(group, plain[group], RUNTIME[group], replace(ctx, group=group))
-    cfg.loss.check(unit, cfg.data.target)
-    check_optimizer(plain["optimizer"])
+    cfg.loss.check(data.unit, cfg.data.target)
+    optimizer = check_optimizer(plain["optimizer"])
+    local_samples = -(-len(data.train) // world)  # type: ignore[arg-type]
+    check_lr_scheduler(cfg.lr_scheduler.node, optimizer, total_optimizer_steps(
+        build_schedule(cfg.schedule, world, cfg.micro_batch_size), cfg.trainer.max_epochs,
+        cfg.trainer.max_steps, local_samples, cfg.micro_batch_size))
     check_policy(cfg, world)
+
+
+def built(group: str, target: str, make: Callable[[], Any]) -> Any:
+    """What a component's target returns, built for a check: whatever it raises is one line
+    naming the component."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{group} ({target}) cannot be built: {type(e).__name__}: "
+                          f"{first_line(str(e))}") from None
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def check_sizes(model_node: dict[str, Any], data_target: str, sizes: dict[str, int]) -> None:
+    """Every parameter the model requires that its config does not set is a size the data
+    provides (the worker passes the model the data's sizes it names)."""
+    target = model_node["_target_"]
+    args = config_args(model_node)
+    for name, p in parameters(locate(target, "model._target_")).items():
+        if p.default is p.empty and name not in args and name not in sizes:
+            also = "" if name in DATA_SIZES else f"; nor does the config set model.{name}"
+            raise ConfigError(f"model: {target} needs {name}, which data ({data_target}) does "
+                              f"not provide (it provides {', '.join(sizes) or 'no sizes'})"
+                              f"{also}")
 
 
 def check_policy(cfg: RunConfig, world: int) -> None:
@@ -110,9 +161,9 @@ def check_policy(cfg: RunConfig, world: int) -> None:
     as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
 
 
-def check_optimizer(node: dict[str, Any]) -> None:
+def check_optimizer(node: dict[str, Any]) -> Any:
     """The optimizer's own argument checks (torch raises on lr=nan, betas out of range...), run
-    on one dummy parameter."""
+    on one dummy parameter; what the factory returns must be a torch optimizer. Returns it."""
     import torch
 
     for key, value in node.items():
@@ -120,10 +171,29 @@ def check_optimizer(node: dict[str, Any]) -> None:
         numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         require(all(map(math.isfinite, numbers)), f"optimizer.{key}", "finite numbers", value)
     try:
-        build(node)([torch.nn.Parameter(torch.zeros(1))])
+        optimizer = build(node)([torch.nn.Parameter(torch.zeros(1))])
     except Exception as e:
         raise ConfigError(f"optimizer ({node['_target_']}) refuses its arguments: "
-                          f"{type(e).__name__}: {e}") from None
+                          f"{type(e).__name__}: {first_line(str(e))}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer ({node['_target_']}): returned {kind_of(optimizer)}, "
+                          "which is no torch.optim.Optimizer")
+    return optimizer
+
+
+def check_lr_scheduler(node: dict[str, Any], optimizer: Any, total_steps: int) -> None:
+    """The LR scheduler factory, called as a worker calls it (on the dummy optimizer), returns
+    a scheduler: something to step once per optimizer step and to save and restore."""
+    try:
+        scheduler = build(node, {"optimizer": optimizer, "total_steps": total_steps})
+    except Exception as e:
+        raise ConfigError(f"lr_scheduler ({node['_target_']}) refuses its arguments: "
+                          f"{type(e).__name__}: {first_line(str(e))}") from None
+    if not all(callable(getattr(scheduler, m, None))
+               for m in ("step", "state_dict", "load_state_dict")):
+        raise ConfigError(f"lr_scheduler ({node['_target_']}): returned {kind_of(scheduler)}, "
+                          "which is no LR scheduler (it needs step, state_dict and "
+                          "load_state_dict)")
 
 
 def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunConfig:
@@ -135,18 +205,18 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
                 "a _target_ (package.module.callable) and its keyword arguments", plain[group])
     data = plain["data"]
-    require(isinstance(data.get("micro_batch_size"), int)
-            and not isinstance(data["micro_batch_size"], bool) and data["micro_batch_size"] >= 1,
+    require(accepts(int, data.get("micro_batch_size")) and data["micro_batch_size"] >= 1,
             "data.micro_batch_size", "an integer >= 1", data.get("micro_batch_size"))
     if placement is None:
         placement = place_job(plain["trainer"]["backend"], plain["trainer"]["devices"])
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(placement.device_type)
-    require(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**63, "seed",
+    require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)
-    require(cfg.resume in ("none", "auto") or os.path.exists(cfg.resume), "resume",
+    require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")
+                                             or os.path.exists(cfg.resume)), "resume",
             "none, auto, or the path of a checkpoint file or run dir", cfg.resume)
-    check_components(plain, cfg, placement.world_size)
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)
+    check_components(plain, cfg, placement.world_size)
     return cfg

@@ -3,7 +3,9 @@ and the seeded DistributedSampler/DataLoader every run uses, world size 1 includ
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,8 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-from gradsync.components import CheckContext, checks, require
-from gradsync.train.repro import derive_seed
+from gradsync.components import (
+    CheckContext,
+    ConfigError,
+    ContractError,
+    build,
+    checks,
+    config_args,
+    kind_of,
+    require,
+    require_fits,
+)
+from gradsync.train.repro import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 
@@ -59,6 +71,123 @@ def provides(*sizes: str, unit: str = "samples") -> Callable[[Any], Any]:
     return mark
 
 
+UNITS = ("samples", "tokens")
+# the last data built in this process (build_data): at most one, by its node and seed
+_built: dict[str, DataBundle] = {}
+
+
+def build_data(node: dict[str, Any], seed: int, extra: tuple[str, ...] = ("micro_batch_size",),
+               take: bool = False) -> DataBundle:
+    """The data a data node builds with the run seed, with the global random streams seeded
+    from it (and restored after), so a builder that draws from them builds the same data
+    wherever it is built. Built once per process and job: the config check builds and keeps it
+    (so do +inspect=params and the sync.groups check, which find it built), and a worker forked
+    from the checking process, or the env:// rank that checked, takes it (take=True: it is not
+    kept for a later job of the process) instead of building it again."""
+    key = json.dumps([node["_target_"], config_args(node, extra), seed], sort_keys=True,
+                     default=repr)
+    bundle = _built.pop(key, None) if take else _built.get(key)
+    if bundle is None:
+        with seeded(seed):
+            bundle = build(node, {"seed": seed}, extra=extra)
+        if not take:
+            _built.clear()
+            _built[key] = bundle
+    return bundle
+
+
+def forget_built_data() -> None:
+    """Drop the data kept by build_data (a launcher whose ranks have their own)."""
+    _built.clear()
+
+
+def check_bundle(bundle: Any, builder: Any, target: str) -> DataBundle:
+    """What a data builder returned holds to the contract as far as it can be seen before
+    training: a DataBundle, whose sizes are the ones @provides declared and whose unit is
+    the declared one. ConfigError naming the builder otherwise."""
+    if not isinstance(bundle, DataBundle):
+        raise ConfigError(f"data ({target}): returned {kind_of(bundle)}, which is no "
+                          "gradsync.data.DataBundle (train, eval, loss, sizes, ...: "
+                          "docs/components.md)")
+    if not (isinstance(bundle.sizes, dict) and all(isinstance(k, str) for k in bundle.sizes)):
+        raise ConfigError(f"data ({target}): its DataBundle's sizes are {bundle.sizes!r}; "
+                          "expected a dict of names to sizes (e.g. {'in_dim': 64})")
+    for name in ("train", "eval"):
+        try:
+            n = len(getattr(bundle, name))
+        except TypeError:
+            raise ConfigError(f"data ({target}): its DataBundle's {name} set has no len(): a "
+                              "map-style torch Dataset (the sampler shards it by index)") from None
+        if n < 1:
+            raise ConfigError(f"data ({target}): its DataBundle's {name} set is empty")
+    declared = getattr(builder, "sizes", None)
+    lacking = [name for name in declared or () if name not in bundle.sizes]
+    if lacking:
+        raise ConfigError(f"data ({target}): @provides names {', '.join(lacking)}, which its "
+                          f"DataBundle's sizes lack (they are {', '.join(bundle.sizes)})")
+    if bundle.unit not in UNITS:
+        raise ConfigError(f"data ({target}): its DataBundle's unit is {bundle.unit!r}; "
+                          f"expected one of {', '.join(UNITS)}")
+    declared_unit = getattr(builder, "unit", bundle.unit)
+    if declared_unit != bundle.unit:
+        raise ConfigError(f"data ({target}): @provides says unit={declared_unit!r}, its "
+                          f"DataBundle says {bundle.unit!r}")
+    for name in ("loss", "correct", "collate"):
+        value = getattr(bundle, name)
+        if not callable(value) and (value is not None or name == "loss"):
+            raise ConfigError(f"data ({target}): its DataBundle's {name} is "
+                              f"{kind_of(value)}, which is not callable")
+    return bundle
+
+
+def _returned(result: Any) -> str:
+    def one(x: Any) -> str:
+        return (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor)
+                else kind_of(x))
+
+    if isinstance(result, (tuple, list)):
+        return f"{kind_of(result)} of {len(result)}: " + ", ".join(map(one, result))
+    return one(result)
+
+
+class FirstBatchChecked:
+    """A DataBundle's loss, with the loss and ``correct`` contracts checked on the first
+    micro-batch that holds a sample (on every rank, once per run; then one flag test per
+    call): a loss that returns a mean, or a ``correct`` that returns per-sample values, would
+    otherwise train without a word (or fail only at the final evaluation)."""
+
+    def __init__(self, bundle: DataBundle, target: str):
+        self.loss, self.correct, self.target = bundle.loss, bundle.correct, target
+        self.pending = True
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> Any:
+        result = self.loss(out, y)
+        if self.pending and len(y):
+            self.pending = False
+            self.check(result, out, y)
+        return result
+
+    def check(self, result: Any, out: torch.Tensor, y: torch.Tensor) -> None:
+        b = len(y)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and all(
+                isinstance(t, torch.Tensor) and tuple(t.shape) == (b,) for t in result)):
+            raise ContractError(
+                f"data ({self.target}): loss(output, target) returned {_returned(result)}; "
+                "expected per-sample loss sums and unit counts, each a tensor of shape "
+                f"[{b}] for the micro-batch's {b} kept samples (a sum plus a count, never a "
+                "mean: docs/components.md)")
+        if self.correct is None:
+            return
+        with torch.no_grad():
+            right = self.correct(out.detach(), y)
+        if not (isinstance(right, torch.Tensor) and right.dim() == 0 or isinstance(
+                right, (int, float)) and not isinstance(right, bool)):
+            raise ContractError(
+                f"data ({self.target}): correct(output, target) returned {_returned(right)}; "
+                "expected a scalar count of the units predicted right (a 0-dim tensor, e.g. "
+                "(output.argmax(-1) == target).sum())")
+
+
 def mse_per_sample(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's mean squared error over its outputs, and a count of 1 per sample."""
     err = F.mse_loss(out.float(), y, reduction="none").mean(dim=1)
@@ -80,6 +209,10 @@ def _check_synthetic(a: dict[str, Any], ctx: CheckContext) -> None:
     for key in ("num_samples", "eval_samples", "in_dim", "out_dim"):
         require(a[key] >= 1, f"data.{key}", "an integer >= 1", a[key])
     require(0.0 <= a["noise"] < math.inf, "data.noise", "a finite number >= 0", a["noise"])
+    n, d, k = a["num_samples"] + a["eval_samples"], a["in_dim"], a["out_dim"]
+    require_fits(4 * n * (d + 2 * 64 + 3 * k),  # x, its hidden layer, y and its noise
+                 f"data: num_samples={a['num_samples']} + eval_samples={a['eval_samples']} "
+                 f"samples of in_dim={d}, out_dim={k}")
 
 
 @checks(_check_synthetic)
@@ -101,6 +234,8 @@ def synthetic(seed: int, num_samples: int = 2048, eval_samples: int = 512, in_di
 def _check_digits(a: dict[str, Any], ctx: CheckContext) -> None:
     require(0.0 < a["test_fraction"] < 1.0, "data.test_fraction", "a number in (0, 1)",
             a["test_fraction"])
+    require(a["split_seed"] >= 0, "data.split_seed", "an integer >= 0 (NumPy's seeds)",
+            a["split_seed"])
 
 
 @checks(_check_digits)
@@ -123,6 +258,13 @@ def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 1797 8x8 digit images (pixels 0..16, flattened to 64) and labels, read
     from the file it bundles as its load_digits does, without importing scikit-learn (a second
     or more at every worker's start)."""
+    table = _digit_table()
+    return table[:, :-1].copy(), table[:, -1].astype(int)
+
+
+@functools.cache
+def _digit_table() -> np.ndarray:
+    """Read once per process (the config check and forked workers share it; never modified)."""
     import gzip
     import importlib.util
 
@@ -132,8 +274,7 @@ def digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / \
         "digits.csv.gz"
     with gzip.open(path) as f:
-        table = np.loadtxt(f, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(int)
+        return np.loadtxt(f, delimiter=",")
 
 
 class TokenSequences(Dataset):
@@ -180,6 +321,11 @@ def _check_synthetic_lm(a: dict[str, Any], ctx: CheckContext) -> None:
     require(1 <= a["max_stride"] < a["vocab_size"], "data.max_stride",
             f"an integer in [1, data.vocab_size={a['vocab_size']})", a["max_stride"])
     require(0.0 <= a["noise"] <= 1.0, "data.noise", "a number in [0, 1]", a["noise"])
+    # each sequence: its int64 tokens (and as much again while it is made) and a tensor object
+    mean_len = (a["min_len"] + a["max_len"]) / 2
+    require_fits((a["num_samples"] + a["eval_samples"]) * (16 * mean_len + 400),
+                 f"data: num_samples={a['num_samples']} + eval_samples={a['eval_samples']} "
+                 f"sequences of min_len={a['min_len']} to max_len={a['max_len']} tokens")
 
 
 @checks(_check_synthetic_lm)

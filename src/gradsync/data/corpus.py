@@ -134,7 +134,8 @@ def _check_stdlib_text(a: dict[str, Any], ctx: CheckContext) -> None:
     require(0.0 < a["eval_fraction"] < 1.0, "data.eval_fraction", "a number in (0, 1)",
             a["eval_fraction"])
     root = _root(a["root"])
-    require(root.is_dir(), "data.root", "null (the standard library) or a directory", a["root"])
+    require(a["root"] != "" and root.is_dir(), "data.root",
+            "null (the standard library) or a directory", a["root"])
     corpus = select(root, a["max_bytes"], a["eval_fraction"])
     if not corpus.train_files or not corpus.eval_files:
         raise ConfigError(f"data: the corpus under {root} within max_bytes={a['max_bytes']} has "

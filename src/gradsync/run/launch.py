@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradsync.config.schema import RunConfig
+from gradsync.data.bundle import forget_built_data
 from gradsync.run.faults import (
     exit_now,
     process_stat,
@@ -152,6 +153,7 @@ def launch(cfg: RunConfig, placement: Placement, run_dir: Path) -> tuple[int, di
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)
+        forget_built_data()  # the config check's data: the ranks have their own
         watch.supervise()
     finally:
         for sig, handler in previous.items():

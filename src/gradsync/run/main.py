@@ -257,7 +257,7 @@ def main() -> None:
     except Exception as e:  # raised while Hydra composed the config (or inspect checked it)
         if user_wants_traceback:
             raise
-        message = str(e) if isinstance(e, ConfigError) else one_line(e)
+        message = str(e) if isinstance(e, ConfigError) else one_line(e, sys.argv[1:], hydra_main)
         print(f"gradsync: config error: {first_line(message)}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync.components import ConfigError
+from gradsync.config.schema import BACKENDS
 from gradsync.run.devices import DeviceError, check_capability, cuda_index, visible_gpus
 
-BACKENDS = ("auto", "gloo", "nccl")
 LAUNCHED_BY_GRADSYNC = "gradsync"  # this process starts the ranks itself (spawn or fork)
 
 

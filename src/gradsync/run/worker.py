@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
-from gradsync.data.bundle import DataBundle, evaluate, train_loader
+from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.run import summary as run_summary
 from gradsync.run.devices import cpu_threads, usable_cpus
@@ -75,7 +75,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     tr, seed, micro = cfg.trainer, cfg.seed, cfg.micro_batch_size
     set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
-    data: DataBundle = build(cfg.data.node, {"seed": seed})
+    # built by the config check when this rank was forked from it (or checked it itself)
+    data = build_data(cfg.data.node, seed, take=True)
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
                                    tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model.node, data.sizes).to(device)
@@ -103,7 +104,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         schedule=schedule,
         policy=policy,
         precision=precision,
-        loss=data.loss,
+        loss=FirstBatchChecked(data, cfg.data.target),  # the loss and correct contracts
         evaluate=lambda: evaluate(engine.module, data, rank, world_size, device),
         normalizer=normalizer,
         device=device,

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.components import CheckContext, ConfigError, build, require
+from gradsync.components import CheckContext, ConfigError, require
+from gradsync.data.bundle import build_data
+from gradsync.models import build_on_meta
 from gradsync.sync.averaging import average_
 from gradsync.sync.comm import CommCounts, InnerHook, Traffic, allreduce_in
 from gradsync.train.precision import DTYPES
@@ -123,14 +125,11 @@ ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
 
 def model_parameters(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
                      extra: Iterable[str] = ("micro_batch_size",)) -> list[ParamInfo]:
-    """Build the data (for the model's sizes) and the model on the meta device (no memory for
-    the weights; on the CPU if the model cannot be built there): its named parameters."""
-    data = build(data_node, {"seed": seed}, extra=extra)
-    try:
-        with torch.device("meta"):
-            model = build(model_node, data.sizes)
-    except Exception:
-        model = build(model_node, data.sizes)
+    """Build the data (for the model's sizes; once per process: build_data) and the model on
+    the meta device (no memory for the weights; on the CPU if the model cannot be built
+    there): its named parameters."""
+    data = build_data(data_node, seed, tuple(extra))
+    model = build_on_meta(model_node, data.sizes)
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 

@@ -16,6 +16,7 @@ Accelerate's LocalSGD and torchft), which the checkpoint keeps per rank (trainst
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,8 @@ def _check_local_sgd(a: dict[str, Any], ctx: CheckContext) -> None:
 
 def _check_diloco(a: dict[str, Any], ctx: CheckContext) -> None:
     _check_local_sgd(a, ctx)
-    require(a["outer_lr"] > 0, "sync.outer_lr", "a number > 0", a["outer_lr"])
+    require(0 < a["outer_lr"] < math.inf, "sync.outer_lr", "a number > 0 (finite)",
+            a["outer_lr"])
     require(0 <= a["outer_momentum"] < 1, "sync.outer_momentum", "a number in [0, 1)",
             a["outer_momentum"])
     if a["outer_nesterov"] and a["outer_momentum"] == 0:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gradsync.components import ConfigError
+from gradsync.components import ConfigError, kind_of
 from gradsync.sync.comm import InnerHook, allreduce_in
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def as_policy(obj: Any, target: str = "sync") -> SyncPolicy:
     if not isinstance(obj, SyncPolicy):
         cls = type(obj)
         if not callable(getattr(obj, "should_sync", None)):
-            raise ConfigError(f"sync ({target}): returned {_kind(obj)}, which is no sync policy: "
+            raise ConfigError(f"sync ({target}): returned {kind_of(obj)}, which is no sync policy: "
                               "a sync policy has a method should_sync(micro_index, window_size) "
                               "-> bool (subclass gradsync.sync.SyncPolicy)")
         if cls not in _adopted:
@@ -159,7 +159,3 @@ def check_should_sync(policy: SyncPolicy, target: str) -> None:
                           "should_sync(micro_index, window_size)") from None
     except ValueError:  # no signature to read (a builtin): let it be called
         pass
-
-
-def _kind(obj: Any) -> str:
-    return "None" if obj is None else f"a {type(obj).__qualname__}"

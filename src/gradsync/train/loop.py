@@ -116,6 +116,23 @@ class UnsyncedWindow(RuntimeError):
     step on its own gradients and the replicas would drift apart silently."""
 
 
+def unsynced(policy: str, window: Window, last_synced: int) -> str:
+    """What went wrong in a window whose last micro-batch ran inside no_sync()."""
+    first_local = window.start + last_synced + 1  # the first micro-batch kept local since
+    what = ("no micro-batch of the window synchronised: no gradient was all-reduced"
+            if last_synced < 0 else
+            f"micro-batch {first_local - 1} synchronised, but "
+            + ("the last" if first_local == window.stop - 1 else
+               f"micro-batches {first_local}-{window.stop - 1} (the last included)")
+            + " did not: the gradients accumulated after it were never all-reduced")
+    return (f"sync policy {policy!r} ends a window of {window.size} micro-batches "
+            f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside no_sync(): "
+            f"{what}, so every rank would step on gradients of its own and the replicas drift "
+            "apart. The last micro-batch of a window must synchronise (the all-reduce of the "
+            "accumulated gradients is what keeps the replicas equal), or the policy must set "
+            "syncs_parameters = True and average the parameters itself")
+
+
 def run_window(engine: Engine, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss: Callable,
                device: torch.device, norm: Normalizer) -> torch.Tensor:
@@ -131,6 +148,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
     total = torch.zeros((), device=device)
     doomed = False
     real_left = window.real
+    last_synced = -1  # the window's last micro-batch so far that synchronised
     for i in range(window.size):
         x, y = next(batches)
         keep = min(real_left, len(y))
@@ -139,14 +157,10 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
             continue
         x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
         sync = policy.should_sync(i, window.size)
-        if i == window.size - 1 and not sync and not policy.syncs_parameters:
-            raise UnsyncedWindow(
-                f"sync policy {policy.name!r} ends a window of {window.size} micro-batches "
-                f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside "
-                "no_sync(): no gradient was all-reduced, so every rank would step on its own "
-                "gradients and the replicas drift apart. The last micro-batch of a window must "
-                "synchronise, or the policy must set syncs_parameters = True and average the "
-                "parameters itself")
+        if sync:
+            last_synced = i
+        elif i == window.size - 1 and not policy.syncs_parameters:
+            raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
         with engine.micro_batch(sync):
             with precision.autocast():
                 out = engine(x)

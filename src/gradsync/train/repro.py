@@ -7,6 +7,7 @@ size); everything a rank draws afterwards (dropout, say) comes from its own stre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,23 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's CPU streams seeded from `seed` inside, as they were after:
+    what is built inside draws the same wherever it is built (data, built by the config check
+    and by the workers)."""
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.default_generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
 
 
 def seed_rank(seed: int, rank: int) -> None:

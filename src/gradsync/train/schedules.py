@@ -110,6 +110,12 @@ def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: i
 def total_optimizer_steps(schedule, max_epochs: int, max_steps: int, local_samples: int,
                           micro: int) -> int:
     """Optimizer steps the run will take: the LR scheduler's horizon and the progress bar's."""
-    total = sum(optimizer_steps_per_epoch(schedule, e, local_samples, micro)
-                for e in range(max_epochs))
-    return total if max_steps < 0 else min(total, max_steps)
+    total, per_accum = 0, {}  # an epoch's windows depend on its accum_steps alone
+    for e in range(max_epochs):
+        accum = schedule.accum_steps(e)
+        if accum not in per_accum:
+            per_accum[accum] = optimizer_steps_per_epoch(schedule, e, local_samples, micro)
+        total += per_accum[accum]
+        if 0 <= max_steps <= total:
+            return max_steps
+    return total
