@@ -223,6 +223,11 @@ class StepLog:
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
         self._max_drift_over_ranks()
+        for row in self.rows:  # rank 0's, every step (trainer.trace_sync)
+            traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
+                      if k in row}
+            if traced:
+                self.log.scalars(row["window"], traced)
         bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
         state.last_loss = self.rows[-1]["loss"]
         elapsed = state.train_s - self.mark_t
@@ -336,6 +341,9 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                    "stepped": stepped}
             if p.policy.replica_drift is not None:
                 row["replica_drift"] = p.policy.replica_drift
+            trace = getattr(p.engine, "trace", None)
+            if trace is not None:  # this step's wait for all-reduces, overlap (trace_sync)
+                row |= {f"sync_{k}": v for k, v in trace.last.items()}
             steps.add(row, local_loss)
             if log_now:
                 steps.flush(state, norm)
