@@ -48,3 +48,22 @@ def data_that_fails(seed: int, num_samples: int = 2048, eval_samples: int = 512,
     """data=synthetic's keys, but building it fails in every worker (after the config was
     checked)."""
     raise ValueError("the data cannot be loaded (a test aid)")
+
+
+class LastLayerAtWindowEnd:
+    """`always`, except the gradient buckets holding a parameter that matches `params`: they
+    stay local and accumulate until the window's last micro-batch (per-bucket decisions:
+    trainer.engine=gradsync only)."""
+
+    def __init__(self, params: str = "4.*"):
+        self.params = params
+        self.last = False
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        self.last = micro_index == window_size - 1
+        return True
+
+    def sync_bucket(self, params: list[str]) -> bool:
+        from fnmatch import fnmatchcase
+
+        return self.last or not any(fnmatchcase(p, self.params) for p in params)

@@ -16,9 +16,9 @@ from gradsync.engines.trace import SyncTrace, merge
 from gradsync.sync.comm import CommCounts, InnerHook
 from gradsync.sync.policies import AlwaysSync, last_micro_batch
 
-# MLP 6-5-3 plus a 5-wide middle layer: six parameters of 120, 20, 100, 20, 60 and 12 bytes
-# (30, 5, 25, 5, 15, 3 floats): a cap of 100 bytes cuts it into several buckets.
-SMALL_CAP_MB = 100 / 2**20
+# Net's layers a, b, c: parameters of 120, 20, 100, 20, 60 and 12 bytes; rebuilt with a cap
+# of 50 bytes: [c.bias, c.weight], [b.bias, b.weight], [a.bias, a.weight].
+SMALL_CAP_MB = 50 / 2**20
 
 
 class Net(nn.Module):
@@ -182,3 +182,18 @@ def overlap_of_a_slow_all_reduce(engine: str) -> dict:
             eng(torch.randn(4, 6)).square().sum().backward()
         eng.zero_grad(opt)
     return {"last": trace.last, "events": trace.pending}
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "debugging"
+
+
+def example_run(cfg: dict, run_dir: str, error: str = "") -> dict | str:
+    """A run whose components come from examples/debugging (importable on this rank):
+    dist_cases.train_run, or train_run_expecting `error`."""
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    if error:
+        return dist_cases.train_run_expecting(cfg, run_dir, error)
+    return dist_cases.train_run(cfg, run_dir)

@@ -326,6 +326,11 @@ class GradsyncDDP:
         find_unused_parameters their buckets go out with what they hold (zeros if nothing)."""
         if not self.find_unused:
             names = [self.names[i] for i in missing]
+            if self.trace:
+                for b in {self.slot[i][0] for i in missing}:
+                    self.trace.skipped(b.index, b.params, "never launched: no gradient for "
+                                       + ", ".join(self.names[i] for i in missing
+                                                   if self.slot[i][0] is b))
             raise RuntimeError(
                 f"rank {dist.get_rank()}: {len(names)} parameter(s) got no gradient in this "
                 f"synchronising backward: {', '.join(names[:8])}"

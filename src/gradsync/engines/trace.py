@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +55,10 @@ class BucketRecord:
     nbytes: int
     wire: str
     ready: int  # ns: the last of its gradients became ready
-    launched: int | None  # None: kept local (skipped)
+    launched: int | None  # None: not all-reduced (kept local, or never launched)
     finished: int | None = None
     groups: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # why it was not all-reduced
 
     @property
     def skipped(self) -> bool:
@@ -123,11 +124,13 @@ class SyncTrace:
         rec.groups = {g: b for g, (_, b) in groups.items()}
         fut.add_done_callback(lambda _: setattr(rec, "finished", time.time_ns()))
 
-    def skipped(self, index: int, params: list[torch.Tensor]) -> None:
-        """A bucket the policy kept local in a synchronising backward (gradsync engine)."""
-        self._record(index, params, 0, "", None)
+    def skipped(self, index: int, params: Sequence[torch.Tensor],
+                note: str = "kept local") -> None:
+        """A bucket a synchronising backward did not all-reduce (gradsync engine): the policy
+        kept it local, or it was never launched (`note` says why)."""
+        self._record(index, params, 0, "", None).note = note
 
-    def _record(self, index: int, params: list[torch.Tensor], nbytes: int, wire: str,
+    def _record(self, index: int, params: Sequence[torch.Tensor], nbytes: int, wire: str,
                 launched: int | None) -> BucketRecord:
         m = self.micro[-1] if self.micro else self._orphan()
         # its last gradient's time; a bucket launched before that hook ran (torch's reducer may
@@ -145,13 +148,14 @@ class SyncTrace:
         self.micro.append(m)
         return m
 
-    def step_end(self) -> None:
+    def step_end(self, finished: bool = True) -> None:
         """The optimizer step of the window is done (the engine's zero_grad): its events are
-        written, its wait and overlap kept in ``last``."""
+        written, its wait and overlap kept in ``last``. finished=False: the run stopped inside
+        the window (close)."""
         if not self.micro:
             return
         now = time.time_ns()
-        self.windows += 1
+        self.windows += finished
         events: list[dict[str, Any]] = []
         wait = busy = hidden = 0
         for i, m in enumerate(self.micro):
@@ -160,15 +164,16 @@ class SyncTrace:
                                  self.rank, STEPS_TID, m.start, m.end, {"micro_index": i}))
             w, b, h = self._buckets(m, events)
             wait, busy, hidden = wait + w, busy + b, hidden + h
-        self.last = {"wait_ms": wait / 1e6}
-        if busy:
-            self.last["overlap"] = hidden / busy
-        self.wait_ns, self.busy_ns, self.hidden_ns = (self.wait_ns + wait, self.busy_ns + busy,
-                                                      self.hidden_ns + hidden)
-        args = {"window": self.windows, **self.last,
+        stats = {"wait_ms": wait / 1e6} | ({"overlap": hidden / busy} if busy else {})
+        if finished:
+            self.last = stats
+            self.wait_ns, self.busy_ns, self.hidden_ns = (
+                self.wait_ns + wait, self.busy_ns + busy, self.hidden_ns + hidden)
+        window = self.windows + (not finished)
+        args = {"window": window, **stats,
                 "synchronising_backwards": sum(m.sync for m in self.micro)}
-        events.insert(0, _slice(f"step {self.windows}", self.rank, STEPS_TID,
-                                self.micro[0].start, now, args))
+        title = f"step {window}" + ("" if finished else " (unfinished)")
+        events.insert(0, _slice(title, self.rank, STEPS_TID, self.micro[0].start, now, args))
         self.micro = []
         self._write(events)
 
@@ -199,7 +204,7 @@ class SyncTrace:
                 "bytes": b.nbytes, "wire": b.wire, "skipped": b.skipped}
             tid = BUCKET_TID + b.index
             if b.skipped:
-                events.append({"name": f"bucket {b.index} kept local", "ph": "i", "s": "t",
+                events.append({"name": f"bucket {b.index} {b.note}", "ph": "i", "s": "t",
                                "pid": self.rank, "tid": tid, "ts": b.ready, "args": args})
                 continue
             assert b.launched is not None and b.finished is not None
@@ -229,6 +234,8 @@ class SyncTrace:
         self.pending = []
 
     def close(self) -> None:
+        """The end of the run: a window it stopped in (an error, a signal) is written too."""
+        self.step_end(finished=False)
         if self.file is not None:
             self.file.close()
             self.file = None
