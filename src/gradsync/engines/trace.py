@@ -218,6 +218,11 @@ class SyncTrace:
         busy, hidden = _union([(b.launched or 0, b.finished or 0) for b in sent], end)
         return wait, busy, hidden
 
+    def mark(self, name: str, args: dict[str, Any]) -> None:
+        """An instant on the steps track (a policy's averaging of the models, say)."""
+        self._write([{"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": STEPS_TID,
+                      "ts": time.time_ns(), "args": args}])
+
     # --- the file -------------------------------------------------------------------------------
     def open(self, path: Path) -> None:
         """Append this rank's events to `path` from now on (a resumed run continues it)."""

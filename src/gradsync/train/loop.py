@@ -143,8 +143,9 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
             raise UnsyncedWindow(
                 f"sync policy {policy.name!r} ends a window of {window.size} micro-batches "
                 f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside "
-                "no_sync(): no gradient was all-reduced, so every rank would step on its own "
-                "gradients and the replicas drift apart. The last micro-batch of a window must "
+                "no_sync(): the gradients of its last backward would never be all-reduced, so "
+                "every rank would step on gradients of its own and the replicas drift apart "
+                "(docs/debugging.md). The last micro-batch of a window must "
                 "synchronise, or the policy must set syncs_parameters = True and average the "
                 "parameters itself")
         with engine.micro_batch(sync):
@@ -344,6 +345,8 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             trace = getattr(p.engine, "trace", None)
             if trace is not None:  # this step's wait for all-reduces, overlap (trace_sync)
                 row |= {f"sync_{k}": v for k, v in trace.last.items()}
+                if p.policy.replica_drift is not None:
+                    trace.mark("models averaged", {"replica_drift": p.policy.replica_drift})
             steps.add(row, local_loss)
             if log_now:
                 steps.flush(state, norm)
