@@ -122,7 +122,6 @@ class GradsyncDDP:
         # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
         # spares the zeroing pass and the backward's accumulation into the zeros
         self.grads_to_none = not gradient_as_bucket_view or policy.syncs_parameters
-        self.bucket_cap_mb = bucket_cap_mb
         self.cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
         self.first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.cap
         skip = set(ignored)

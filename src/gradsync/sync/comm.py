@@ -60,6 +60,10 @@ class InnerHook:
     sent: Callable[[Any, dist.GradBucket], int] | None = None
     # per-group accounting of a bucket (sync.groups); None: one call, counted as sent says
     traffic: Callable[[dist.GradBucket], Traffic] | None = None
+    # True: the hook issues further collectives from its future's callbacks (PowerSGD), which
+    # run on the backend's thread: a bucket's hook starts only once the previous bucket's
+    # future is done, or the ranks could interleave the collectives of two buckets differently
+    sequential: bool = False
 
 
 # DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.
@@ -82,6 +86,7 @@ class CountingState:
     inner: InnerHook
     # trainer.trace_sync: records each bucket's all-reduce (engines/trace.py SyncTrace)
     trace: Any = None
+    previous: Any = None  # the last bucket's future in this backward (inner.sequential)
 
 
 def counting_hook(
@@ -91,8 +96,12 @@ def counting_hook(
     by gradsync's own engine (engines/gradsync_ddp.py) alike."""
     inner, buf = state.inner, bucket.buffer()
     wire = inner.wire_dtype or buf.dtype
+    if inner.sequential and state.previous is not None:
+        state.previous.wait()  # every collective of the previous bucket issued (and done)
     launched = state.trace.now() if state.trace is not None else 0
     fut = inner.hook(inner.state, bucket)
+    if inner.sequential:
+        state.previous = None if bucket.is_last() else fut
     groups: dict[str, tuple[int, int]] = {}
     wire_name = str(wire).removeprefix("torch.")
     if inner.traffic is not None:
