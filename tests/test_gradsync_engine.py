@@ -15,7 +15,7 @@ import torch
 import engine_cases
 from configs import losses, plain_cfg
 from gradsync.config.validate import ConfigError, validate
-from gradsync.engines.trace import BucketRecord, MicroBatch, SyncTrace
+from gradsync.engines.trace import BucketRecord, MicroBatch, SyncTrace, table
 
 pytestmark = [pytest.mark.dist]
 
@@ -222,6 +222,9 @@ def test_the_trace_records_every_bucket_of_every_step(pool2, tmp_path, engine):
         # the buckets' shares of the steps' waits add up to them
         assert sum(e["args"]["waited_ms"] for e in sent) == pytest.approx(
             sum(e["args"]["wait_ms"] for e in steps), rel=1e-6, abs=1e-6)
+    summary_table = table(r0["trace"])  # python -m gradsync.engines trace RUN_DIR prints it
+    assert f"rank 1: {WINDOWS} steps, wait " in summary_table
+    assert "| 0 | 0 | " in summary_table and "| bfloat16 |" in summary_table
     rows = r0["rows"]
     assert all("sync_wait_ms" in r for r in rows)
     assert [s for s, _ in r0["tb"]["sync/wait_ms"]] == list(range(1, WINDOWS + 1))

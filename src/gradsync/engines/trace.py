@@ -11,9 +11,10 @@ micro-batches and the end of the step.
 
 Each rank appends its events to ``trace/rank<r>.jsonl`` (one Chrome trace event per line,
 flushed after every step: a crashed run keeps what it recorded); the job process merges them
-into ``trace.json`` (``merge``; ``python -m gradsync.engines.trace RUN_DIR`` merges by hand, for
-a torchrun job whose rank 0 died). Open it in https://ui.perfetto.dev or chrome://tracing: one
-process per rank, a ``steps`` track of steps, micro-batches and waits, one track per bucket.
+into ``trace.json`` (``merge``; ``python -m gradsync.engines trace RUN_DIR`` merges by hand,
+for a torchrun job whose rank 0 died, and prints a summary table). Open it in
+https://ui.perfetto.dev or chrome://tracing: one process per rank, a ``steps`` track of steps,
+micro-batches and waits, one track per bucket.
 
 Derived per step (TensorBoard ``sync/wait_ms`` and ``sync/overlap``, summary.json):
 
@@ -312,15 +313,45 @@ def merge(run_dir: Path) -> Path | None:
     return out
 
 
+def table(trace: dict[str, Any]) -> str:
+    """A merged trace in a few lines: per rank its steps, mean wait per step and overlap; per
+    rank and bucket its all-reduces, parameters, bytes, wire, median duration and mean wait."""
+    import statistics
+
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    lines = ["| rank | bucket | all-reduces | kept local | params | bytes each | wire | "
+             "all-reduce ms (median) | waited ms (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    totals = []
+    for rank in sorted({e["pid"] for e in events}):
+        mine = [e for e in events if e["pid"] == rank]
+        steps = [e for e in mine if e["name"].startswith("step ")
+                 and not e["name"].endswith("(unfinished)")]
+        waits = [e["args"]["wait_ms"] for e in steps]
+        overlaps = [e["args"]["overlap"] for e in steps if "overlap" in e["args"]]
+        totals.append(f"rank {rank}: {len(steps)} steps, wait {statistics.fmean(waits or [0]):.2f}"
+                      f" ms per step, overlap {statistics.fmean(overlaps or [0]):.2f}")
+        for tid in sorted({e["tid"] for e in mine if e["tid"] >= BUCKET_TID}):
+            sent = [e for e in mine if e["tid"] == tid and e["ph"] == "X"]
+            kept = sum(e["name"].endswith("kept local") for e in mine if e["tid"] == tid)
+            last = sent[-1]["args"] if sent else {}
+            lines.append(
+                f"| {rank} | {tid - BUCKET_TID} | {len(sent)} | {kept} | "
+                f"{', '.join(last.get('params', []))} | {last.get('bytes', 0)} | "
+                f"{last.get('wire', '')} | "
+                f"{statistics.median([e['dur'] / 1e3 for e in sent] or [0]):.2f} | "
+                f"{statistics.fmean([e['args']['waited_ms'] for e in sent] or [0]):.2f} |")
+    return "\n".join(totals + [""] + lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """python -m gradsync.engines trace RUN_DIR: merge the ranks' files, print the table."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m gradsync.engines.trace RUN_DIR", file=sys.stderr)
+        print("usage: python -m gradsync.engines trace RUN_DIR", file=sys.stderr)
         return 2
     out = merge(Path(args[0]))
-    print(out if out else f"no {TRACE_DIR}/rank*.jsonl in {args[0]}")
-    return 0 if out else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if out is None:
+        print(f"no {TRACE_DIR}/rank*.jsonl in {args[0]}", file=sys.stderr)
+        return 1
+    print(f"{out}\n\n{table(json.loads(out.read_text()))}")
+    return 0

@@ -173,7 +173,7 @@ def _merge_trace(run_dir: Path) -> None:
         merge_trace(run_dir)
     except (OSError, ValueError, KeyError) as e:  # the ranks' files stay for a merge by hand
         print(f"gradsync: trace.json not written ({type(e).__name__}: {e}); merge with "
-              f"python -m gradsync.engines.trace {run_dir}", file=sys.stderr, flush=True)
+              f"python -m gradsync.engines trace {run_dir}", file=sys.stderr, flush=True)
 
 
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
