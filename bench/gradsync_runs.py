@@ -47,6 +47,8 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
     p.evaluate = dict
     with tempfile.TemporaryDirectory() as tmp:
         log = RunLog(Path(tmp), active=rank == 0)
+        if p.engine.trace:  # written as run_training writes it (trainer.trace_sync)
+            p.engine.trace.open(Path(tmp) / "trace" / f"rank{rank}.jsonl")
         state = Progress()
         p.trainer.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
         train(p, state, log)
@@ -57,6 +59,8 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
         train(p, state, log)
         samples_per_s = w.stop_clock()
         log.close()
+        if p.engine.trace:
+            p.engine.trace.close()
         losses = []
         if rank == 0:
             rows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]

@@ -82,7 +82,15 @@ def write(path: Path, runs: dict, traffic: dict, ns: list[int], names: list[str]
 APPROX = "gradsync accumulate + PowerSGD"
 MODEL_AVERAGING = ("gradsync local_sgd H=8", "gradsync diloco H=8")
 EXACT = ("gradsync accumulate", "gradsync always", "gradsync accumulate (gloo all-reduce)",
-         "gradsync accumulate + fused SGD")
+         "gradsync accumulate + fused SGD", "gradsync accumulate (engine=gradsync)")
+# trainer.engine=gradsync against torch_ddp (same loop, same all-reduce), and the trace's cost
+ENGINE = {1: 0.95, 4: 1.00}
+ENGINE_PAIRS = (("gradsync accumulate (engine=gradsync)", "gradsync accumulate"),
+                ("gradsync accumulate (gloo all-reduce) engine=gradsync",
+                 "gradsync accumulate (gloo all-reduce)"))
+TRACED = (("gradsync accumulate + trace", "gradsync accumulate"),
+          ("gradsync accumulate (engine=gradsync) + trace",
+           "gradsync accumulate (engine=gradsync)"))
 
 
 def targets(runs: dict, ns: list[int]) -> list[str]:
@@ -125,6 +133,14 @@ def targets(runs: dict, ns: list[int]) -> list[str]:
             if gap is not None:  # the price, beside the exact variants' loss
                 rows.append(_check(n, f"{v}: epoch loss off exact by", abs(gap - 1), None,
                                    at_least=False))
+        for a, b in ENGINE_PAIRS:
+            r = ratio(a, b, n)
+            if r is not None:
+                rows.append(_check(n, f"{a} / torch_ddp", r, ENGINE.get(n), at_least=True))
+        for a, b in TRACED:
+            r = ratio(a, b, n)
+            if r is not None:
+                rows.append(_check(n, f"{a} / untraced", r, 0.95, at_least=True))
         r = ratio("gradsync accumulate", "handwritten", n, "peak_rss_mb")
         if r is not None:
             rows.append(_check(n, "peak RSS: gradsync accumulate / hand-written", r, 1.10,

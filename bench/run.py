@@ -48,6 +48,20 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
                                {"sync": "local_sgd", "overrides": ("sync.every=8",)}),
     "gradsync diloco H=8": ("gradsync_runs", "run",
                             {"sync": "diloco", "overrides": ("sync.every=8",)}),
+    # trainer.engine=gradsync (engines/gradsync_ddp.py) beside torch's DDP (the rows above),
+    # and the sync trace's cost on each engine (trainer.trace_sync)
+    "gradsync accumulate (engine=gradsync)": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",)}),
+    "gradsync accumulate (gloo all-reduce) engine=gradsync": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
+                                             "trainer.allreduce=process_group")}),
+    "gradsync accumulate + trace": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.trace_sync=true",)}),
+    "gradsync accumulate (engine=gradsync) + trace": (
+        "gradsync_runs", "run",
+        {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
+                                             "trainer.trace_sync=true")}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),
 }

@@ -161,3 +161,22 @@ def data_from_the_global_stream(seed: int, num_samples: int = 8):
     x, y = torch.randn(num_samples, 2), torch.randn(num_samples, 1)
     ds = torch.utils.data.TensorDataset(x, y)
     return DataBundle(ds, ds, mse_per_sample, {"in_dim": 2, "out_dim": 1})
+
+
+class LastLayerAtWindowEnd:
+    """`always`, except the gradient buckets holding a parameter that matches `params`: they
+    stay local and accumulate until the window's last micro-batch (per-bucket decisions:
+    trainer.engine=gradsync only)."""
+
+    def __init__(self, params: str = "4.*"):
+        self.params = params
+        self.last = False
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        self.last = micro_index == window_size - 1
+        return True
+
+    def sync_bucket(self, params: list[str]) -> bool:
+        from fnmatch import fnmatchcase
+
+        return self.last or not any(fnmatchcase(p, self.params) for p in params)

@@ -78,3 +78,30 @@ def test_the_startup_table_gives_each_variant_as_a_multiple_of_the_floor():
             for line in table.splitlines() if line.startswith("| ") and "variant" not in line}
     assert rows[startup.FLOOR_NAME][:2] == ["2.50 (2.00-3.00)", "1.00"]
     assert rows["fork (default on CPU)"] == ["5.50 (5.00-6.00)", "2.20", "6.50 (6.00-7.00) |"]
+
+
+def test_the_engine_rows_run_the_gradsync_engine_and_the_trace():
+    """The bench's rows for trainer.engine=gradsync and trainer.trace_sync compose (as the
+    harness composes them) into the engine and trace they are named after, and the report
+    checks them against their torch_ddp / untraced twins."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    import gradsync_runs
+    import report
+
+    pairs = [*report.ENGINE_PAIRS, *report.TRACED]
+    for ours, theirs in pairs:
+        assert ours in harness.VARIANTS and theirs in harness.VARIANTS
+        assert "," not in ours  # --variants splits on commas
+    for name, engine, trace in [("gradsync accumulate (engine=gradsync)", "gradsync", False),
+                                ("gradsync accumulate + trace", "torch_ddp", True),
+                                ("gradsync accumulate (engine=gradsync) + trace", "gradsync",
+                                 True)]:
+        _, _, kwargs = harness.VARIANTS[name]
+        tr = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["trainer"]
+        assert (tr["engine"], tr["trace_sync"]) == (engine, trace)

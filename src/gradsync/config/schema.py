@@ -44,7 +44,7 @@ def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -
                 value)
 
 
-ENGINES = ("torch_ddp",)  # trainer.engine (gradsync/engines)
+ENGINES = ("torch_ddp", "gradsync")  # trainer.engine (gradsync/engines, docs/engines.md)
 ALLREDUCE = ("auto", "shared_memory", "process_group")
 BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
 # Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
@@ -68,7 +68,7 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    engine: str = "torch_ddp"  # the data-parallel engine (docs/architecture.md)
+    engine: str = "torch_ddp"  # the data-parallel engine: torch_ddp | gradsync (docs/engines.md)
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
@@ -81,6 +81,10 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
+    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
+    # a parameter is an error
+    find_unused_parameters: bool = False
+    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
 

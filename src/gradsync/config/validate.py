@@ -154,11 +154,15 @@ def check_policy(cfg: RunConfig, world: int) -> None:
     """The sync component builds a policy (sync/policy.py's contract: should_sync(micro_index,
     window_size)); built here as a worker builds it, without a model."""
     from gradsync.sync.comm import CommCounts
-    from gradsync.sync.policy import as_policy
+    from gradsync.sync.policy import as_policy, decides_per_bucket
 
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
-    as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
+    policy = as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
+    if decides_per_bucket(policy) and cfg.trainer.engine != "gradsync":
+        raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
+                          f"(sync_bucket), which trainer.engine={cfg.trainer.engine} cannot "
+                          "carry out: set trainer.engine=gradsync")
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:

@@ -8,9 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 from gradsync.engines.base import Engine
+from gradsync.engines.gradsync_ddp import build_gradsync_ddp
 from gradsync.engines.torch_ddp import build_torch_ddp
 
-ENGINES: dict[str, Callable[..., Engine]] = {"torch_ddp": build_torch_ddp}
+ENGINES: dict[str, Callable[..., Engine]] = {"torch_ddp": build_torch_ddp,
+                                             "gradsync": build_gradsync_ddp}
 
 
 def build_engine(name: str, **kwargs: Any) -> Engine:

@@ -12,17 +12,17 @@ inside gradsync's counting hook; on CPU ranks of one host it goes through shared
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.sync.averaging import float_state
-from gradsync.sync.comm import CommCounts, install_counting_hook
-from gradsync.sync.policy import SyncPolicy
-from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
+from gradsync.engines.allreduce import policy_allreduce
+from gradsync.engines.trace import SyncTrace
+from gradsync.sync.comm import CommCounts, counting_hook
+from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
 
 
@@ -32,11 +32,14 @@ class TorchDDP:
     name = "torch_ddp"
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
-                 transport: str = "process_group", grads_to_none: bool | None = None):
+                 transport: str = "process_group", grads_to_none: bool | None = None,
+                 trace: SyncTrace | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
         self.counts = counts if counts is not None else CommCounts()
         self.transport = transport
+        # trainer.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
+        self.trace = trace
         # gradients that are views into DDP's buckets stay so (zeroed); set to None they come
         # back as fresh tensors that DDP copies into the buckets at every syncing backward
         self.grads_to_none = (not ddp.gradient_as_bucket_view if grads_to_none is None
@@ -45,16 +48,21 @@ class TorchDDP:
     def __call__(self, *inputs: Any) -> Any:
         return self.ddp(*inputs)
 
-    def micro_batch(self, sync: bool) -> AbstractContextManager[Any]:
+    @contextmanager
+    def micro_batch(self, sync: bool) -> Iterator[None]:
         # DDP decides in the forward whether the next backward reduces: the forward must run in
         # this context too, or DDP syncs anyway
-        return nullcontext() if sync else self.ddp.no_sync()
+        with nullcontext() if sync else self.ddp.no_sync(), \
+                self.trace.micro_batch(sync) if self.trace else nullcontext():
+            yield
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=self.grads_to_none)
+        if self.trace:
+            self.trace.step_end()
 
     def state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
@@ -65,35 +73,37 @@ class TorchDDP:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "transport": self.transport,
                 "bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20,
-                "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view}
+                "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
+                "find_unused_parameters": self.ddp.find_unused_parameters}
 
 
 def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
-                    gradient_as_bucket_view: bool = True,
-                    allreduce: str = "auto") -> TorchDDP:
+                    gradient_as_bucket_view: bool = True, allreduce: str = "auto",
+                    find_unused_parameters: bool = False,
+                    trace: SyncTrace | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host)."""
+    if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
+        raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
+                           "(sync_bucket): torch's DDP synchronises all buckets or none")
     ignored = policy.bind(model)
     if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    if trace:
+        trace.watch(model)
     # replicas that train apart keep their own buffers until the policy averages them
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
+        find_unused_parameters=find_unused_parameters,
         **ddp_buffer_sync(not policy.syncs_parameters))
-    inner = policy.comm_hook()
-    if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
-        # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
-        params, buffers = float_state(model)
-        inner = over_shared_memory(inner, params + buffers if policy.syncs_parameters
-                                   else params, allreduce)
-    install_counting_hook(ddp, inner, counts)
-    shared = inner.hook is shm_hook
-    if shared:  # a policy that averages by itself may use the same slots
-        policy.use_shared_memory(inner.state)
+    state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
+                                        trace)
+    ddp.register_comm_hook(state, counting_hook)
     # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
     # spares the zeroing pass and the backward's accumulation into the zeros
-    return TorchDDP(ddp, counts, "shared_memory" if shared else "process_group",
-                    grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters)
+    return TorchDDP(ddp, counts, transport,
+                    grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters,
+                    trace=trace)

@@ -34,6 +34,7 @@ from gradsync.config.hydra import (
 )
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import EXTRA, RUNTIME, ConfigError, validate
+from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
 from gradsync.run.faults import exit_now, signal_name
@@ -142,7 +143,11 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
         _write_run_info(cfg, placement, run_dir)
     started = time.perf_counter()
     try:
-        signum, summary = launch(cfg, placement, run_dir)
+        try:
+            signum, summary = launch(cfg, placement, run_dir)
+        finally:  # what every rank recorded, a failed run's too (engines/trace.py)
+            if cfg.trainer.trace_sync and is_rank0():
+                _merge_trace(run_dir)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
         return _fail(mode, run_dir, "training failed", str(e), 1, hard=not placement.spawns)
@@ -161,6 +166,14 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
                   summary["optimizer_steps"])
     run_summary.report(run_dir, summary)
     return summary
+
+
+def _merge_trace(run_dir: Path) -> None:
+    try:
+        merge_trace(run_dir)
+    except (OSError, ValueError, KeyError) as e:  # the ranks' files stay for a merge by hand
+        print(f"gradsync: trace.json not written ({type(e).__name__}: {e}); merge with "
+              f"python -m gradsync.engines trace {run_dir}", file=sys.stderr, flush=True)
 
 
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,

@@ -32,13 +32,15 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
+    trace = getattr(p.engine, "trace", None)  # trainer.trace_sync
     a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
     mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
             "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
             "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
             "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
-            "averaging": None if a is None else asdict(a), "groups": c.groups}
+            "averaging": None if a is None else asdict(a), "groups": c.groups,
+            "trace": trace.summary() if trace else None}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -78,7 +80,15 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "allreduce": p.engine.transport,
         "seed": seed,
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
-      | group_summary(per_rank("groups"))
+      | group_summary(per_rank("groups")) | trace_summary(per_rank("trace"))
+
+
+def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """trainer.trace_sync: each rank's mean wait for all-reduces per step (ms) and the fraction
+    of its all-reduce time that overlapped the backward (engines/trace.py)."""
+    if per_rank[0] is None:
+        return {}
+    return {"sync_trace": {k: [r[k] for r in per_rank if r is not None] for k in per_rank[0]}}
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
+from gradsync.engines.trace import TRACE_DIR, SyncTrace
 from gradsync.run import summary as run_summary
 from gradsync.run.devices import cpu_threads, usable_cpus
 from gradsync.run.faults import (
@@ -89,7 +90,9 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     engine = build_engine(tr.engine, model=model, policy=policy, device=device,
                           world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,
                           gradient_as_bucket_view=tr.gradient_as_bucket_view,
-                          allreduce=tr.allreduce)
+                          allreduce=tr.allreduce,
+                          find_unused_parameters=tr.find_unused_parameters,
+                          trace=SyncTrace(rank) if tr.trace_sync else None)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro)
     total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
@@ -139,6 +142,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
 
     p.checkpoint = save
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
+    if p.engine.trace:  # the job process merges the ranks' files into trace.json
+        p.engine.trace.open(run_dir / TRACE_DIR / f"rank{rank}.jsonl")
     if tr.fail_at_step >= 1:
         p.after_window.append(inject_failure(tr.fail_at_step, rank == world_size - 1))
     try:
@@ -165,6 +170,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
         finally:
             run_log.close()
     finally:
+        if p.engine.trace:
+            p.engine.trace.close()
         if control is not None:
             dist.destroy_process_group(control)
     return summary

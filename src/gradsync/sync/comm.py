@@ -60,6 +60,10 @@ class InnerHook:
     sent: Callable[[Any, dist.GradBucket], int] | None = None
     # per-group accounting of a bucket (sync.groups); None: one call, counted as sent says
     traffic: Callable[[dist.GradBucket], Traffic] | None = None
+    # True: the hook issues further collectives from its future's callbacks (PowerSGD), which
+    # run on the backend's thread: a bucket's hook starts only once the previous bucket's
+    # future is done, or the ranks could interleave the collectives of two buckets differently
+    sequential: bool = False
 
 
 # DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.
@@ -80,25 +84,43 @@ def allreduce_in(wire_dtype: torch.dtype | None) -> InnerHook:
 class CountingState:
     counts: CommCounts
     inner: InnerHook
+    # trainer.trace_sync: records each bucket's all-reduce (engines/trace.py SyncTrace)
+    trace: Any = None
+    previous: Any = None  # the last bucket's future in this backward (inner.sequential)
 
 
 def counting_hook(
     state: CountingState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
+    """Runs the inner all-reduce on the bucket and counts it. Called by torch's DDP reducer and
+    by gradsync's own engine (engines/gradsync_ddp.py) alike."""
     inner, buf = state.inner, bucket.buffer()
-    whole = buf.numel() * (inner.wire_dtype or buf.dtype).itemsize
+    wire = inner.wire_dtype or buf.dtype
+    if inner.sequential and state.previous is not None:
+        state.previous.wait()  # every collective of the previous bucket issued (and done)
+    launched = state.trace.now() if state.trace is not None else 0
     fut = inner.hook(inner.state, bucket)
+    if inner.sequential:
+        state.previous = None if bucket.is_last() else fut
+    groups: dict[str, tuple[int, int]] = {}
+    wire_name = str(wire).removeprefix("torch.")
     if inner.traffic is not None:
         t = inner.traffic(bucket)
         state.counts.add(t.calls, t.nbytes)
         for group, (calls, nbytes) in t.groups.items():
             state.counts.add_to_group(group, calls, nbytes)
+        nbytes, groups = t.nbytes, t.groups
+        if t.calls > 1:  # one all-reduce per wire dtype (sync.groups)
+            wire_name = "mixed"
     else:
+        nbytes = (buf.numel() * wire.itemsize if inner.sent is None
+                  else inner.sent(inner.state, bucket))
         state.counts.allreduce_calls += 1
-        state.counts.allreduce_bytes += (whole if inner.sent is None
-                                         else inner.sent(inner.state, bucket))
+        state.counts.allreduce_bytes += nbytes
     if bucket.is_last():
         state.counts.sync_backwards += 1
+    if state.trace is not None:
+        state.trace.bucket(bucket, launched, fut, nbytes, wire_name, groups)
     return fut
 
 

@@ -60,7 +60,7 @@ class Compression:
             return self.layers.comm_hook()
         if self.powersgd is None:
             return allreduce_in(self.wire_dtype)
-        return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes)
+        return InnerHook(powersgd_hook, self.powersgd, None, sent_bytes, sequential=True)
 
     def after_step(self, stepped: bool) -> None:
         if self.powersgd is not None and not stepped:

@@ -89,6 +89,15 @@ class SyncPolicy:
         policy that averages by itself may do so through the same slots."""
 
     # --- inside a window ---------------------------------------------------------------------
+    def sync_bucket(self, params: list[str]) -> bool:
+        """trainer.engine=gradsync only: asked once per gradient bucket in each synchronising
+        backward (params: the names of the parameters the bucket holds). False keeps that
+        bucket's gradients local: they accumulate into the next synchronising backward, as
+        no_sync() keeps a whole backward's. Must answer alike on every rank. A bucket kept
+        local in a window's last micro-batch leaves its parameters different across ranks: the
+        policy then keeps them consistent itself (own_replicas, replicas_in_sync)."""
+        return True
+
     def window_doomed(self, model: nn.Module, micro_index: int, window_size: int) -> bool:
         """Asked after each micro-batch's backward: True (on every rank alike) when the window
         can no longer step, so its remaining micro-batches are not computed."""
@@ -116,6 +125,11 @@ class SyncPolicy:
     def replicas_in_sync(self) -> bool:
         """Whether every rank holds the same parameters now (trainer.check_replicas asks)."""
         return not self.syncs_parameters
+
+
+def decides_per_bucket(policy: SyncPolicy) -> bool:
+    """The policy answers sync_bucket itself: only trainer.engine=gradsync can carry that out."""
+    return type(policy).sync_bucket is not SyncPolicy.sync_bucket
 
 
 _adopted: dict[type, type] = {}

@@ -128,9 +128,9 @@ def unsynced(policy: str, window: Window, last_synced: int) -> str:
     return (f"sync policy {policy!r} ends a window of {window.size} micro-batches "
             f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside no_sync(): "
             f"{what}, so every rank would step on gradients of its own and the replicas drift "
-            "apart. The last micro-batch of a window must synchronise (the all-reduce of the "
-            "accumulated gradients is what keeps the replicas equal), or the policy must set "
-            "syncs_parameters = True and average the parameters itself")
+            "apart (docs/debugging.md). The last micro-batch of a window must synchronise (the "
+            "all-reduce of the accumulated gradients is what keeps the replicas equal), or the "
+            "policy must set syncs_parameters = True and average the parameters itself")
 
 
 def run_window(engine: Engine, batches: Iterator, window: Window,
@@ -237,6 +237,11 @@ class StepLog:
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
         self._max_drift_over_ranks()
+        for row in self.rows:  # rank 0's, every step (trainer.trace_sync)
+            traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
+                      if k in row}
+            if traced:
+                self.log.scalars(row["window"], traced)
         bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
         state.last_loss = self.rows[-1]["loss"]
         elapsed = state.train_s - self.mark_t
@@ -350,6 +355,11 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                    "stepped": stepped}
             if p.policy.replica_drift is not None:
                 row["replica_drift"] = p.policy.replica_drift
+            trace = getattr(p.engine, "trace", None)
+            if trace is not None:  # this step's wait for all-reduces, overlap (trace_sync)
+                row |= {f"sync_{k}": v for k, v in trace.last.items()}
+                if p.policy.replica_drift is not None:
+                    trace.mark("models averaged", {"replica_drift": p.policy.replica_drift})
             steps.add(row, local_loss)
             if log_now:
                 steps.flush(state, norm)

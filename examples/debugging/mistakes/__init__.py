@@ -1,0 +1,1 @@
+"""The classic data-parallel mistakes as components, for docs/debugging.md."""

@@ -1,0 +1,34 @@
+"""The policy's gradient all-reduce, as the data-parallel engines run it (torch_ddp and gradsync
+alike): the policy's comm hook (``policy.comm_hook()``: DDP's all-reduce in the bucket's dtype
+or a wire dtype, PowerSGD, sync.groups' per-group wires), through the shared-memory transport
+where ``trainer.allreduce`` allows it (CPU ranks of one host, sync/shm_allreduce.py), inside
+gradsync's counting hook (sync/comm.py), which also feeds the sync trace."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync.engines.trace import SyncTrace
+from gradsync.sync.averaging import float_state
+from gradsync.sync.comm import CommCounts, CountingState
+from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
+
+
+def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
+                     world_size: int, allreduce: str, counts: CommCounts,
+                     trace: SyncTrace | None = None) -> tuple[CountingState, str]:
+    """The counting hook's state around the policy's all-reduce, and the transport it takes:
+    shared_memory or process_group. Collective (the shared-memory slots are mapped by every
+    rank)."""
+    inner = policy.comm_hook()
+    if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
+        # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
+        params, buffers = float_state(model)
+        inner = over_shared_memory(inner, params + buffers if policy.syncs_parameters
+                                   else params, allreduce)
+    shared = inner.hook is shm_hook
+    if shared:  # a policy that averages by itself may use the same slots
+        policy.use_shared_memory(inner.state)
+    return CountingState(counts, inner, trace), "shared_memory" if shared else "process_group"

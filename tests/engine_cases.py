@@ -1,0 +1,199 @@
+"""Functions the engine tests (test_gradsync_engine.py) run on every rank of the pool: both
+engines built by their real builders, on real gloo process groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dist_cases
+from gradsync.engines import build_engine
+from gradsync.engines.trace import SyncTrace, merge
+from gradsync.sync.comm import CommCounts, InnerHook
+from gradsync.sync.policies import AlwaysSync, last_micro_batch
+
+# Net's layers a, b, c: parameters of 120, 20, 100, 20, 60 and 12 bytes; rebuilt with a cap
+# of 50 bytes: [c.bias, c.weight], [b.bias, b.weight], [a.bias, a.weight].
+SMALL_CAP_MB = 50 / 2**20
+
+
+class Net(nn.Module):
+    """Three layers; with unused=True a fourth one the forward never touches and one it uses
+    only on rank 0, every other forward (a parameter locally unused on one rank)."""
+
+    def __init__(self, unused: bool = False, buffers: bool = False):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+        self.norm = nn.BatchNorm1d(5) if buffers else None
+        if unused:
+            self.never = nn.Linear(6, 3)
+            self.sometimes = nn.Linear(6, 3)
+        self.unused = unused
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.norm is not None:
+            h = self.norm(h)
+        out = self.c(torch.tanh(self.b(h)))
+        self.forwards += 1
+        if self.unused and dist.get_rank() == 0 and self.forwards % 2:
+            out = out + self.sometimes(x)
+        return out
+
+
+class Recording(AlwaysSync):
+    """`always`, or accumulate's windows, with an all-reduce that records which parameters
+    each bucket holds and whether it is the last."""
+
+    def __init__(self, accumulate: bool, names: dict[int, str]):
+        self.accumulate, self.names = accumulate, names
+        self.buckets: list[tuple[int, tuple[str, ...], bool]] = []
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return not self.accumulate or last_micro_batch(micro_index, window_size)
+
+    def comm_hook(self) -> InnerHook:
+        default = InnerHook()
+
+        def recording(state, bucket):
+            self.buckets.append((bucket.index(), tuple(self.names[id(p)]
+                                                       for p in bucket.parameters()),
+                                 bucket.is_last()))
+            return default.hook(state, bucket)
+
+        return InnerHook(recording)
+
+
+def partitions(engine: str, unused: bool, cap_mb: float | None, windows: int = 3) -> dict:
+    """Windows of 2 micro-batches (the second synchronises) on `engine`: the buckets each
+    synchronising backward all-reduced, and the parameters after every window."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net(unused)
+    policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
+    kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
+    eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
+                       world_size=2, counts=CommCounts(), allreduce="process_group",
+                       find_unused_parameters=unused, **kwargs)
+    opt = torch.optim.AdamW(eng.parameters(), lr=0.01, weight_decay=0.1)
+    g = torch.Generator().manual_seed(rank)
+    seen, params = [], []
+    for _ in range(windows):
+        for i in range(2):
+            with eng.micro_batch(policy.should_sync(i, 2)):
+                eng(torch.randn(4, 6, generator=g)).square().sum().backward()
+        seen.append(policy.buckets)
+        policy.buckets = []
+        opt.step()
+        eng.zero_grad(opt)
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"buckets": seen, "params": params,
+            "grads_none": [n for n, p in model.named_parameters() if p.grad is None]}
+
+
+def unused_error(engine: str) -> str:
+    """A parameter the forward never uses, without find_unused_parameters: the error's text."""
+    torch.manual_seed(0)
+    model = Net(unused=True)
+    policy = Recording(False, {id(p): n for n, p in model.named_parameters()})
+    eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
+                       world_size=2, counts=CommCounts(), allreduce="process_group")
+    try:
+        for _ in range(3):
+            with eng.micro_batch(True):
+                eng(torch.randn(4, 6)).square().sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("no error")
+
+
+def buffers_and_grads(engine: str, sync_parameters: bool) -> dict:
+    """BatchNorm's running statistics (rank 0's broadcast in the forward that follows a
+    synchronising one) and gradient_as_bucket_view off: every rank's buffers and gradients
+    after each of 4 micro-batches (windows of 2)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net(buffers=True)
+    if rank == 1:  # a different start: the engine's broadcast makes it rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
+    policy.syncs_parameters = sync_parameters  # buffers then stay each rank's own
+    eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
+                       world_size=2, counts=CommCounts(), allreduce="process_group",
+                       gradient_as_bucket_view=False)
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for i in range(4):
+        with eng.micro_batch(policy.should_sync(i % 2, 2)):
+            eng(torch.randn(4, 6, generator=g)).square().sum().backward()
+        out.append(([b.clone() for b in model.buffers()],
+                    [p.grad.clone() for p in model.parameters()]))
+    return {"steps": out, "start": [p.detach().clone() for p in model.parameters()]}
+
+
+def traced_run(cfg: dict, run_dir: str) -> dict:
+    """dist_cases.train_run, then (rank 0) the ranks' trace files merged as the job process
+    merges them: trace.json, metrics.jsonl's rows and the TensorBoard scalars sync/*."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = dist_cases.train_run(cfg, run_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        path = merge(Path(run_dir))
+        assert path is not None
+        out["trace"] = json.loads(path.read_text())
+        out["rows"] = [json.loads(x) for x in
+                       (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        acc = EventAccumulator(str(Path(run_dir) / "tb"))
+        acc.Reload()
+        out["tb"] = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+                     for tag in acc.Tags()["scalars"] if tag.startswith("sync/")}
+    return out
+
+
+def overlap_of_a_slow_all_reduce(engine: str) -> dict:
+    """A model whose first-ready bucket's all-reduce takes 50 ms (a hook that sleeps on gloo's
+    side, after the all-reduce), the rest of the backward ~0: the wait the trace measures."""
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    policy = Recording(False, {id(p): n for n, p in model.named_parameters()})
+    inner = policy.comm_hook()
+
+    def slow(state, bucket):
+        return inner.hook(state, bucket).then(lambda f: (time.sleep(0.05), f.value())[1])
+
+    policy.comm_hook = lambda: InnerHook(slow)  # type: ignore[method-assign]
+    trace = SyncTrace(dist.get_rank())
+    eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
+                       world_size=2, counts=CommCounts(), allreduce="process_group",
+                       trace=trace)
+    opt = torch.optim.SGD(eng.parameters(), lr=0.0)
+    for _ in range(2):
+        with eng.micro_batch(True):
+            eng(torch.randn(4, 6)).square().sum().backward()
+        eng.zero_grad(opt)
+    return {"last": trace.last, "events": trace.pending}
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "debugging"
+
+
+def example_run(cfg: dict, run_dir: str, error: str = "") -> dict | str:
+    """A run whose components come from examples/debugging (importable on this rank):
+    dist_cases.train_run, or train_run_expecting `error`."""
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    if error:
+        return dist_cases.train_run_expecting(cfg, run_dir, error)
+    return dist_cases.train_run(cfg, run_dir)
