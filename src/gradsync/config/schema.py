@@ -28,7 +28,8 @@ def _at_least(obj: Any, group: str, lows: dict[str, int]) -> None:
                 f"{group}.{key}", f"an integer >= {low}", value)
 
 
-ENGINES = ("torch_ddp",)  # trainer.engine (gradsync/engines)
+ENGINES = ("torch_ddp", "fsdp", "hsdp")  # trainer.engine (gradsync/engines)
+SHARDED_ENGINES = ("fsdp", "hsdp")  # FSDP2: sharded parameters, sharded checkpoints
 ALLREDUCE = ("auto", "shared_memory", "process_group")
 
 
@@ -41,6 +42,11 @@ class TrainerConfig:
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
     engine: str = "torch_ddp"  # the data-parallel engine (docs/architecture.md)
+    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
+    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
+    # dimension (0: one replica per host)
+    fsdp_units: str = "auto"
+    replicas: int = 0
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping

@@ -30,7 +30,7 @@ from gradsync.config.schema import (
     RunConfig,
 )
 from gradsync.run.placement import Placement, place_job
-from gradsync.sync.layer_sync import model_parameters
+from gradsync.sync.layer_sync import meta_model, model_parameters
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
 
@@ -99,15 +99,26 @@ def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
     check_policy(cfg, world)
 
 
-def check_policy(cfg: RunConfig, world: int) -> None:
+def check_policy(cfg: RunConfig, world: int) -> Any:
     """The sync component builds a policy (sync/policy.py's contract: should_sync(micro_index,
-    window_size)); built here as a worker builds it, without a model."""
+    window_size)); built here as a worker builds it, without a model. Returns it."""
     from gradsync.sync.comm import CommCounts
     from gradsync.sync.policy import as_policy
 
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
-    as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
+    return as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
+
+
+def check_engine(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
+    """What the chosen engine cannot run with the other choices (a sharded engine: fp16,
+    model averaging, a unit whose parameters reduce differently...), and an engine's settings
+    given to another one (engines/fsdp.py check_config)."""
+    from gradsync.engines.fsdp import check_config
+
+    check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
+                 policy=lambda: check_policy(cfg, world),
+                 model=lambda: meta_model(plain["model"], plain["data"], cfg.seed, DATA_EXTRA))
 
 
 def check_optimizer(node: dict[str, Any]) -> None:
@@ -147,6 +158,7 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     require(cfg.resume in ("none", "auto") or os.path.exists(cfg.resume), "resume",
             "none, auto, or the path of a checkpoint file or run dir", cfg.resume)
     check_components(plain, cfg, placement.world_size)
+    check_engine(plain, cfg, placement.world_size)
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)
     return cfg

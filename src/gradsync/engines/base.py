@@ -1,8 +1,8 @@
 """The engine interface: what the training loop asks of a data-parallel engine.
 
 An engine wraps one rank's model and carries out the sync policy's decision for each
-micro-batch. The loop never sees the wrapper class (torch's ``DistributedDataParallel`` today;
-FSDP2 and an engine of gradsync's own plug in the same way): it calls the engine as the model,
+micro-batch. The loop never sees the wrapper class (torch's ``DistributedDataParallel``, FSDP2's
+``fully_shard`` units, an engine of gradsync's own): it calls the engine as the model,
 runs each micro-batch's forward *and* backward inside ``engine.micro_batch(sync)``, steps the
 optimizer on ``engine.parameters()``, lets the engine zero the gradients, and asks it for the
 model to evaluate and to average, and for the model's state to save and restore.
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gradsync.sync.comm import CommCounts
+from gradsync.train.memory import MemoryMeter
 
 
 class Engine(Protocol):
@@ -39,6 +40,9 @@ class Engine(Protocol):
     module: nn.Module
     counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
     transport: str  # how the gradients travel: process_group | shared_memory
+    # the gradient bytes held after each backward (the engine records them on leaving
+    # micro_batch()) and the rank's peak memory (train/memory.py)
+    memory: MemoryMeter
 
     def __call__(self, *inputs: Any) -> Any:
         """The forward of one micro-batch (inside micro_batch())."""

@@ -12,7 +12,7 @@ inside gradsync's counting hook; on CPU ranks of one host it goes through shared
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from gradsync.sync.comm import CommCounts, install_counting_hook
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 from gradsync.torch_compat import ddp_buffer_sync
+from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
 class TorchDDP:
@@ -32,10 +33,13 @@ class TorchDDP:
     name = "torch_ddp"
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
-                 transport: str = "process_group", grads_to_none: bool | None = None):
+                 transport: str = "process_group", grads_to_none: bool | None = None,
+                 memory: MemoryMeter | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
         self.counts = counts if counts is not None else CommCounts()
+        self.memory = memory if memory is not None else MemoryMeter(
+            next(ddp.module.parameters()).device)
         self.transport = transport
         # gradients that are views into DDP's buckets stay so (zeroed); set to None they come
         # back as fresh tensors that DDP copies into the buckets at every syncing backward
@@ -45,10 +49,14 @@ class TorchDDP:
     def __call__(self, *inputs: Any) -> Any:
         return self.ddp(*inputs)
 
-    def micro_batch(self, sync: bool) -> AbstractContextManager[Any]:
+    @contextmanager
+    def micro_batch(self, sync: bool) -> Iterator[None]:
         # DDP decides in the forward whether the next backward reduces: the forward must run in
         # this context too, or DDP syncs anyway
-        return nullcontext() if sync else self.ddp.no_sync()
+        with nullcontext() if sync else self.ddp.no_sync():
+            yield
+        # every rank holds whole gradients (views into DDP's buckets: each bucket once)
+        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
@@ -71,7 +79,7 @@ class TorchDDP:
 def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                     gradient_as_bucket_view: bool = True,
-                    allreduce: str = "auto") -> TorchDDP:
+                    allreduce: str = "auto", memory: MemoryMeter | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host)."""
@@ -96,4 +104,5 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
     # spares the zeroing pass and the backward's accumulation into the zeros
     return TorchDDP(ddp, counts, "shared_memory" if shared else "process_group",
-                    grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters)
+                    grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters,
+                    memory=memory)

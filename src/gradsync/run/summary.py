@@ -38,7 +38,10 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
             "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
             "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
-            "averaging": None if a is None else asdict(a), "groups": c.groups}
+            "averaging": None if a is None else asdict(a), "groups": c.groups,
+            "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
+                "groups": c.sharded_groups},
+            "memory": p.engine.memory.summary()}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -78,7 +81,35 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "allreduce": p.engine.transport,
         "seed": seed,
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
-      | group_summary(per_rank("groups"))
+      | group_summary(per_rank("groups")) | sharded_summary(per_rank("sharded")) \
+      | memory_summary(per_rank("memory"))
+
+
+# a sharded engine's collectives besides all-reduces (sync/comm.py CommCounts)
+SHARDED_COUNTS = ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
+                  "all_gather_bytes")
+
+
+def sharded_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded engine's reduce-scatters and all-gathers: calls and bytes per rank, and per
+    sync.groups group (`rest`: the parameters no rule matched); nothing for other engines."""
+    if not any(r["reduce_scatter_calls"] or r["all_gather_calls"] for r in per_rank):
+        return {}
+    out: dict[str, Any] = {k: [r[k] for r in per_rank] for k in SHARDED_COUNTS}
+    out["sharded_groups"] = {
+        kind: {g: {"calls": [r["groups"].get(kind, {}).get(g, [0, 0])[0] for r in per_rank],
+                   "bytes": [r["groups"].get(kind, {}).get(g, [0, 0])[1] for r in per_rank]}
+               for g in groups}
+        for kind, groups in per_rank[0]["groups"].items()}
+    return out
+
+
+def memory_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per rank: the gradient bytes held after a backward (whole and sharded, maxima over the
+    run) and the peak memory during training, with what measured it (train/memory.py)."""
+    keys = ("grad_unsharded_bytes", "grad_sharded_bytes", "grad_held_bytes", "peak_mb")
+    return {"memory": {k: [r[k] for r in per_rank] for k in keys}
+            | {"peak_measure": per_rank[0]["peak_measure"]}}
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:

@@ -171,6 +171,11 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "allreduce_calls": ("all-reduce calls/rank", str),
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
+    "reduce_scatter_bytes": ("reduce-scatter MB/rank", lambda v: f"{v / 1e6:.2f}"),  # fsdp, hsdp
+    "all_gather_bytes": ("all-gather MB/rank", lambda v: f"{v / 1e6:.2f}"),
+    "comm_bytes_per_step": ("MB/step (rank 0)", lambda v: f"{v / 1e6:.3f}"),
+    "grad_held_bytes": ("grad MB held", lambda v: f"{v / 1e6:.2f}"),
+    "peak_mem_mb": ("peak MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
     "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
