@@ -48,6 +48,15 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
                                {"sync": "local_sgd", "overrides": ("sync.every=8",)}),
     "gradsync diloco H=8": ("gradsync_runs", "run",
                             {"sync": "diloco", "overrides": ("sync.every=8",)}),
+    # FSDP2 (docs/sharded.md): whole gradients held until the window's last micro-batch, or a
+    # reduce-scatter after every micro-batch; parameters all-gathered for every forward and
+    # backward (MB / step counts the reduce-scatters and all-gathers too)
+    "gradsync fsdp accumulate (boundary)": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=fsdp",)}),
+    "gradsync fsdp accumulate (every)": (
+        "gradsync_runs", "run", {"sync": "accumulate",
+                                 "overrides": ("trainer.engine=fsdp",
+                                               "sync.reduce_scatter=every")}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),
 }

@@ -124,14 +124,15 @@ def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan
     return out
 
 
-def unit_table(model: nn.Module, rule: str, policy: SyncPolicy) -> str:
+def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> str:
     """+inspect=params under a sharded engine: each unit, its parameters and reduction."""
     lines = ["FSDP units (trainer.fsdp_units), innermost first:"]
     for u in plan_units(model, rule, policy):
         wire = str(u.sync.wire).removeprefix("torch.") if u.sync.wire else "the gradients' dtype"
+        replicas = f", replica_all_reduce={u.sync.replica_all_reduce}" if hsdp else ""
         lines.append(f"  {u.name or '<root>'}: {len(u.params)} tensors, {u.nbytes} bytes, group "
-                     f"{u.sync.group}, reduce_scatter={u.sync.reduce_scatter}, "
-                     f"replica_all_reduce={u.sync.replica_all_reduce}, reduced in {wire}")
+                     f"{u.sync.group}, reduce_scatter={u.sync.reduce_scatter}{replicas}, "
+                     f"reduced in {wire}")
     return "\n".join(lines)
 
 

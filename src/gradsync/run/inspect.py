@@ -25,4 +25,5 @@ def parameters_table(cfg: RunConfig) -> str:
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
     model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
-    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy)}"
+    hsdp = cfg.trainer.engine == "hsdp"
+    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, hsdp)}"

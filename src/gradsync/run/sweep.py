@@ -4,7 +4,9 @@ sweep_summary.md and sweep.png in the sweep dir.
 Everything comes from files (each job's .hydra/, summary.json, metrics.jsonl and evals.jsonl),
 never from in-process job results: Hydra hands its multirun-end callback none, and jobs may have
 run in other processes (joblib launcher). `python -m gradsync.run.sweep <sweep dir> [target loss]`
-writes the summary of an interrupted sweep by hand.
+writes the summary of an interrupted sweep by hand. When its jobs hold different gradient
+memory (engines, sharding: docs/sharded.md), memory.png puts each job's memory against the
+bytes it moved per optimizer step.
 
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
 axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
@@ -309,6 +311,44 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     return fig
 
 
+def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
+    """When the completed jobs hold different gradient memory (engines, sharding flavours): one
+    point per job, gradient memory held (left) and peak memory (right) against the bytes it
+    moved per optimizer step (rank 0's all-reduce, reduce-scatter and all-gather bytes).
+    Returns whether it wrote the plot."""
+    done = [r for r in rows if r["status"] == "completed" and "grad_held_bytes" in r]
+    if len(done) < 2 or len({r["grad_held_bytes"] for r in done}) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peaks = all(r.get("peak_mem_mb", "") != "" for r in done)
+    fig, axes = plt.subplots(1, 2 if peaks else 1, figsize=(13 if peaks else 7, 4.8),
+                             squeeze=False)
+    panels = [("grad_held_bytes", 1e-6, "gradient memory held between micro-batches (MB)")]
+    if peaks:
+        panels.append(("peak_mem_mb", 1.0, "peak memory during training (MB)"))
+    for ax, (key, scale, ylabel) in zip(axes[0], panels, strict=True):
+        for r in done:
+            x, y = r["comm_bytes_per_step"] / 1e6, r[key] * scale
+            ax.plot(x, y, "o", markersize=8)
+            label = " ".join(str(r[k]) for k in r.get("_swept", [])) or f"job {r['job']}"
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4),
+                        fontsize="small")
+        ax.set(xlabel="MB sent per optimizer step (rank 0: all-reduce + reduce-scatter + "
+                      "all-gather)", ylabel=ylabel)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("Memory against bytes, one point per job (per rank)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 @dataclass
 class SweepSummary:
     jobs: int
@@ -329,6 +369,8 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSum
     text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None)
     (sweep_dir / "sweep_summary.md").write_text(text)
     plot(jobs, sweep_dir / "sweep.png", target)
+    swept = swept_keys(jobs)
+    plot_memory([r | {"_swept": swept} for r in rows], sweep_dir / "memory.png")
     return SweepSummary(len(rows), sum(r["status"] != "completed" for r in rows), text)
 
 
