@@ -204,18 +204,29 @@ def _loss_spread(rows: list[dict[str, Any]]) -> str:
 
 
 def _against_first(rows: list[dict[str, Any]]) -> list[str]:
-    """When the jobs move different all-reduce bytes (per-layer rules, wire dtypes, local SGD):
-    each job's bytes and final losses against the first completed job's: what it saves and
-    what that costs."""
+    """When the jobs move different all-reduce bytes (per-layer rules, wire dtypes, local SGD;
+    with sharded engines: the bytes of every collective): each job's bytes and final losses
+    against the first completed job's: what it saves and what that costs."""
     done = [r for r in rows if r["status"] == "completed"]
-    if len(done) < 2 or len({r["allreduce_bytes"] for r in done}) < 2:
+    # with sharded engines among the jobs: every collective's bytes, not only the all-reduce's
+    sharded = any(r.get("reduce_scatter_bytes", "") != "" for r in done)
+    kinds = ("allreduce_bytes", "reduce_scatter_bytes", "all_gather_bytes") if sharded else \
+        ("allreduce_bytes",)
+    what = "bytes sent (all-reduce + reduce-scatter + all-gather)" if sharded else \
+        "all-reduce bytes"
+
+    def sent(r: dict[str, Any]) -> float:
+        return sum(r.get(k) or 0 for k in kinds)
+
+    if len(done) < 2 or len({sent(r) for r in done}) < 2:
         return []
     first = done[0]
     lines = [f"Against job {first['job']} ({first['overrides'] or 'no overrides'}):"]
     for r in done[1:]:
-        ratio = r["allreduce_bytes"] / first["allreduce_bytes"] if first["allreduce_bytes"] \
-            else math.inf
-        parts = [f"all-reduce bytes x{ratio:.3f} ({(1 - ratio) * 100:.1f} % saved)"]
+        ratio = sent(r) / sent(first) if sent(first) else math.inf
+        change = f"{(1 - ratio) * 100:.1f} % saved" if ratio <= 1 else \
+            f"{(ratio - 1) * 100:.1f} % more"
+        parts = [f"{what} x{ratio:.3f} ({change})"]
         for key in ("final_train_loss", "eval_loss"):
             if key in r and key in first:
                 delta = r[key] - first[key]

@@ -74,7 +74,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     """Everything the loop needs, built from the run's config, on an initialised process
     group. Components come from their ``_target_``; each gets the run-time arguments it names."""
     tr, seed, micro = cfg.trainer, cfg.seed, cfg.micro_batch_size
-    memory = MemoryMeter(device)  # before the data and model: the CPU peak's baseline
+    memory = MemoryMeter(device)
     set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
     data: DataBundle = build(cfg.data.node, {"seed": seed})
@@ -145,6 +145,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
             checkpoint.write(out, ckpt_dir, tr.keep_checkpoints)
 
     p.checkpoint = save
+    p.after_window.append(p.engine.memory.after_window)  # the CPU's peak memory: train/memory.py
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     if tr.fail_at_step >= 1:
         p.after_window.append(inject_failure(tr.fail_at_step, rank == world_size - 1))
@@ -174,6 +175,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
             elif is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
+            p.engine.memory.stop()  # a profiled window the run ended in (train/memory.py)
             run_log.close()
     finally:
         if control is not None:

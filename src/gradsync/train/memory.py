@@ -11,26 +11,26 @@ included).
 
 Peak memory: on a GPU, torch's ``max_memory_allocated`` since training started (what the
 caching allocator handed out: parameters, gradients, optimizer state, activations,
-communication buffers). On a CPU there is no allocator counter to read, so the measure is the
-process's own: the resident set's high-water mark during training (Linux ``VmHWM``, reset when
-training starts by writing 5 to ``/proc/self/clear_refs``) minus the resident set before the rank
-built its data and model (the interpreter, torch and the process group). It includes what the
-allocator keeps after a free (glibc returns large blocks to the system, small ones it keeps),
-so it is an upper bound of the tensor bytes alive at the peak, on the same scale for every
-engine. None where the platform offers neither.
+communication buffers). A CPU has no such counter, so the same quantity is measured for one
+window, the run's second (the first one allocates the optimizer's state and warms up): the
+tensor bytes alive when it starts (parameters, gradients and optimizer state, counted from the
+tensors; a sharded engine's local shards), plus the highest the window's own allocations, net of
+its frees, rose above them (every allocation and free torch's CPU allocator makes, recorded by
+torch's profiler for that window only, in order). Memory that is not a tensor (the interpreter,
+libraries, the allocator's retained free blocks) is in neither measure; the process's resident
+set is summary.json's ``peak_rss_mb``. None for a run of fewer than two windows.
 """
 
 from __future__ import annotations
 
-import re
+import os
+import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
-
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -48,20 +48,66 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
-def _status_kib(key: str) -> int | None:
-    try:
-        found = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(found.group(1)) if found else None
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard (what this rank holds), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
-def _reset_rss_peak() -> bool:
-    try:
-        _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        return False
-    return True
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors a rank keeps between windows: parameters, gradients, optimizer
+    state (local shards)."""
+    params = list(model.parameters())
+    state = [local(v) for per_param in optimizer.state.values() for v in per_param.values()
+             if isinstance(v, torch.Tensor)]
+    return storage_bytes([local(q) for q in params] + [local(q.grad) for q in params] + state)
+
+
+# What the profiler and torch's CPU allocator print on the process's stderr (fd 2) while the
+# window is profiled: its start and stop, and a warning about frees of blocks allocated before
+NOISE = ("profiler_start", "profiler_stop",
+         "Memory block of unknown size was allocated before the profiling started")
+
+
+class HeldStderr:
+    """The process's stderr (fd 2) into a temporary file while a window is profiled; on
+    release, what was written there goes on to stderr, but the profiler's own lines (NOISE)."""
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+
+    def release(self) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        kept = [line for line in self.file.read().splitlines(keepends=True)
+                if not any(n.encode() in line for n in NOISE)]
+        self.file.close()
+        if kept:
+            os.write(2, b"".join(kept))
+
+
+def transient_peak(profiler: Any) -> int:
+    """The highest running total of the allocations minus the frees a profiled span made, in
+    the order torch's CPU allocator made them (frees of blocks allocated before the span are
+    not reported: an upper bound)."""
+    from torch._C._profiler import _EventType
+
+    events = []
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    total = peak = 0
+    for _, size in sorted(events):
+        total += size
+        peak = max(peak, total)
+    return peak
 
 
 @dataclass
@@ -74,16 +120,19 @@ class GradientMemory:
 
 
 class MemoryMeter:
-    """A rank's gradient memory (recorded by its engine) and its peak memory during training.
-    Made before the rank builds its data and model: the CPU measure's baseline."""
+    """A rank's gradient memory (recorded by its engine) and its peak memory during training
+    (see the module's docstring)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.grads = GradientMemory()
-        self.base_kib = _status_kib("VmRSS") if device.type == "cpu" else 0
-        self.measure = ("cuda_max_allocated" if device.type == "cuda" else
-                        "rss_high_water_above_setup" if self.base_kib is not None else None)
-        self.started = False
+        self.measure = "cuda_max_allocated" if device.type == "cuda" else \
+            "cpu_tensor_bytes_window_2"
+        self.windows = 0  # windows since start()
+        self.profiler: Any = None
+        self.held: HeldStderr | None = None
+        self.cpu_peak: int | None = None
+        self.base = 0  # tensor bytes when the profiled window starts
 
     def record(self, unsharded: int, sharded: int) -> None:
         """After a backward: the gradient bytes the rank holds now."""
@@ -94,22 +143,43 @@ class MemoryMeter:
 
     def start(self) -> None:
         """When training starts (after set-up and any restore): the peak counts from here."""
+        self.windows = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.started = True
-        elif self.measure is not None:
-            self.started = _reset_rss_peak()
-            if not self.started:
-                self.measure = None
+
+    def after_window(self, p: Any, state: Any, stepped: bool) -> None:
+        """A loop hook (Parts.after_window): on a CPU, profiles the second window."""
+        self.windows += 1
+        if self.device.type == "cuda" or self.windows > 2:
+            return
+        if self.windows == 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.base = state_bytes(p.engine.module, p.optimizer)
+            self.held = HeldStderr()
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler.__enter__()
+        else:
+            profiler = self.stop()
+            self.cpu_peak = self.base + transient_peak(profiler)
+
+    def stop(self) -> Any:
+        """Stops a profiled window (also when training ends inside it: the worker calls this
+        in any case); returns the profiler, None if none was running."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            try:
+                profiler.__exit__(None, None, None)
+            finally:
+                if self.held is not None:
+                    self.held.release()
+        return profiler
 
     def peak_mb(self) -> float | None:
-        """The peak since start() (see the module's docstring), in MiB; None without one."""
-        if not self.started:
-            return None
+        """The peak (see the module's docstring), in MiB; None without one."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
-        peak = _status_kib("VmHWM")
-        return None if peak is None or self.base_kib is None else (peak - self.base_kib) / 1024
+        return None if self.cpu_peak is None else self.cpu_peak / 2**20
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard's mem/ scalars (rank 0's)."""
