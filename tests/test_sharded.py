@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -420,6 +421,33 @@ def test_inspect_params_shows_the_units(tmp_path, monkeypatch, capsys):
     assert "  0: 2 tensors, 540 bytes, group rest, reduce_scatter=boundary" in out
     assert "  <root>: 2 tensors, 104 bytes" in out
     assert not list(tmp_path.iterdir())  # no run dir
+
+
+def test_memory_vs_bytes_sweeps_every_variant_on_the_same_model_data_and_global_batch():
+    from hydra import compose, initialize_config_dir
+
+    from gradsync.config.hydra import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=memory_vs_bytes"],
+                      return_hydra_config=True)
+    key = "+experiment/memory_vs_bytes_variants"
+    swept = cfg.hydra.sweeper.params[key].split(",")
+    variants = Path(CONF_DIR) / "experiment" / "memory_vs_bytes_variants"
+    assert sorted(swept) == sorted(p.stem for p in variants.glob("*.yaml"))
+    same, engines = set(), {}
+    for name in swept:
+        plain = compose_plain(["experiment=memory_vs_bytes", f"{key}={name}"])
+        validate(plain)
+        t = plain["trainer"]
+        engines[name] = (t["engine"], t["devices"], plain["sync"]["reduce_scatter"])
+        same.add((plain["model"]["d_model"], plain["data"]["num_samples"],
+                  plain["schedule"]["global_batch_size"], plain["seed"], t["max_epochs"]))
+    assert len(same) == 1
+    assert engines == {"ddp": ("torch_ddp", 2, "boundary"), "boundary": ("fsdp", 2, "boundary"),
+                       "every": ("fsdp", 2, "every"), "per_unit": ("fsdp", 2, "boundary"),
+                       "hsdp_4": ("hsdp", 4, "every")}
 
 
 def test_the_sweep_columns_include_bytes_per_step_and_memory():

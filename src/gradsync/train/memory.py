@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,9 @@ class MemoryMeter:
             self.base = state_bytes(p.engine.module, p.optimizer)
             self.held = HeldStderr()
             self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self.profiler.__enter__()
+            with warnings.catch_warnings():  # events of one cycle are all it needs
+                warnings.filterwarnings("ignore", message=".*Profiler clears events")
+                self.profiler.__enter__()
         else:
             profiler = self.stop()
             self.cpu_peak = self.base + transient_peak(profiler)
