@@ -15,10 +15,11 @@ communication buffers). A CPU has no such counter, so the same quantity is measu
 window, the run's second (the first one allocates the optimizer's state and warms up): the
 tensor bytes alive when it starts (parameters, gradients and optimizer state, counted from the
 tensors; a sharded engine's local shards), plus the highest the window's own allocations, net of
-its frees, rose above them (every allocation and free torch's CPU allocator makes, recorded by
-torch's profiler for that window only, in order). Memory that is not a tensor (the interpreter,
-libraries, the allocator's retained free blocks) is in neither measure; the process's resident
-set is summary.json's ``peak_rss_mb``. None for a run of fewer than two windows.
+its frees, rose above them (every allocation and free torch's CPU allocator makes, recorded in
+order by torch's legacy profiler for that window only: AllocationTrace). Memory that is not a
+tensor (the interpreter, libraries, the allocator's retained free blocks) is in neither measure;
+the process's resident set is summary.json's ``peak_rss_mb``. None for a run of fewer than two
+windows.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -63,8 +63,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return storage_bytes([local(q) for q in params] + [local(q.grad) for q in params] + state)
 
 
-# What the profiler and torch's CPU allocator print on the process's stderr (fd 2) while the
-# window is profiled: its start and stop, and a warning about frees of blocks allocated before
+# What torch's CPU allocator (and Kineto's profiler, were it used) print on the process's stderr
+# (fd 2) while a window is traced: a warning about frees of blocks allocated before the trace
 NOISE = ("profiler_start", "profiler_stop",
          "Memory block of unknown size was allocated before the profiling started")
 
@@ -91,24 +91,35 @@ class HeldStderr:
             os.write(2, b"".join(kept))
 
 
-def transient_peak(profiler: Any) -> int:
-    """The highest running total of the allocations minus the frees a profiled span made, in
-    the order torch's CPU allocator made them (frees of blocks allocated before the span are
-    not reported: an upper bound)."""
-    from torch._C._profiler import _EventType
+class AllocationTrace:
+    """Every allocation and free torch's CPU allocator makes while it runs, in order: torch's
+    legacy (non-Kineto) profiler with memory profiling, which records them as events at little
+    cost (Kineto's first start in a process takes 0.4-1.2 s here). Its API is private: the same in
+    torch 2.11 and 2.13 (``ProfilerConfig`` of 7 fields, ``_enable_profiler_legacy``)."""
 
-    events = []
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    total = peak = 0
-    for _, size in sorted(events):
-        total += size
-        peak = max(peak, total)
-    return peak
+    def __init__(self) -> None:
+        from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler_legacy
+
+        config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False,
+                                torch._C._profiler._ExperimentalConfig())
+        _enable_profiler_legacy(config)
+
+    def stop(self) -> int:
+        """The highest running total of the allocations minus the frees, in order (frees of
+        blocks allocated before the trace started are not reported: an upper bound)."""
+        from torch.autograd import _disable_profiler_legacy
+
+        records = _disable_profiler_legacy()
+        every = [e for thread in records for e in thread]
+        if not every:
+            return 0
+        events = sorted((-e.cpu_elapsed_us(every[0]), e.cpu_memory_usage())
+                        for e in every if e.kind() == "memory_alloc")
+        total = peak = 0
+        for _, size in events:
+            total += size
+            peak = max(peak, total)
+        return peak
 
 
 @dataclass
@@ -130,7 +141,7 @@ class MemoryMeter:
         self.measure = "cuda_max_allocated" if device.type == "cuda" else \
             "cpu_tensor_bytes_window_2"
         self.windows = 0  # windows since start()
-        self.profiler: Any = None
+        self.trace: AllocationTrace | None = None
         self.held: HeldStderr | None = None
         self.cpu_peak: int | None = None
         self.base = 0  # tensor bytes when the profiled window starts
@@ -154,29 +165,25 @@ class MemoryMeter:
         if self.device.type == "cuda" or self.windows > 2:
             return
         if self.windows == 1:
-            from torch.profiler import ProfilerActivity, profile
-
             self.base = state_bytes(p.engine.module, p.optimizer)
             self.held = HeldStderr()
-            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with warnings.catch_warnings():  # events of one cycle are all it needs
-                warnings.filterwarnings("ignore", message=".*Profiler clears events")
-                self.profiler.__enter__()
+            self.trace = AllocationTrace()
         else:
-            profiler = self.stop()
-            self.cpu_peak = self.base + transient_peak(profiler)
+            peak = self.stop()
+            self.cpu_peak = None if peak is None else self.base + peak
 
-    def stop(self) -> Any:
-        """Stops a profiled window (also when training ends inside it: the worker calls this
-        in any case); returns the profiler, None if none was running."""
-        profiler, self.profiler = self.profiler, None
-        if profiler is not None:
-            try:
-                profiler.__exit__(None, None, None)
-            finally:
-                if self.held is not None:
-                    self.held.release()
-        return profiler
+    def stop(self) -> int | None:
+        """Stops a traced window (also when training ends inside it: the worker calls this in
+        any case); its transient peak, None if no window was traced."""
+        trace, self.trace = self.trace, None
+        if trace is None:
+            return None
+        try:
+            return trace.stop()
+        finally:
+            if self.held is not None:
+                self.held.release()
+                self.held = None
 
     def peak_mb(self) -> float | None:
         """The peak (see the module's docstring), in MiB; None without one."""
