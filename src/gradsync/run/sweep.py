@@ -338,7 +338,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
     peaks = all(r.get("peak_mem_mb", "") != "" for r in done)
     fig, axes = plt.subplots(1, 2 if peaks else 1, figsize=(13 if peaks else 7, 4.8),
                              squeeze=False)
-    panels = [("grad_held_bytes", 1e-6, "gradient memory held between micro-batches (MB)")]
+    panels = [("grad_held_bytes", 1e-6, "gradient memory held after a backward (MB)")]
     if peaks:
         panels.append(("peak_mem_mb", 1.0, "peak memory during training (MB)"))
     for ax, (key, scale, ylabel) in zip(axes[0], panels, strict=True):
@@ -353,7 +353,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-    fig.suptitle("Memory against bytes, one point per job (per rank)")
+    fig.suptitle("Memory (the largest rank's) against bytes sent, one point per job")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
