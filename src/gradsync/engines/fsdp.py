@@ -43,6 +43,7 @@ from gradsync.components import ConfigError, require
 from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.sync.comm import CommCounts, ShardedSync
 from gradsync.sync.policy import SyncPolicy
+from gradsync.torch_compat import fsdp_param_groups
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
 AUTO_UNITS = "auto"
@@ -196,18 +197,6 @@ def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision
 
 
 # --- the engine ---------------------------------------------------------------------------------
-def _param_groups(unit: nn.Module) -> list[Any]:
-    """FSDP's parameter groups of one unit. Version guard: torch 2.13 keeps a list
-    (``_fsdp_param_groups``, for per-parameter meshes), torch 2.11 one group or None
-    (``_fsdp_param_group``)."""
-    state = unit._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        one = state._fsdp_param_group
-        groups = [] if one is None else [one]
-    return list(groups)
-
-
 def _collectives() -> tuple[type, type]:
     """FSDP's default reduce-scatter and all-gather, counted (torch >= 2.11 lets a unit swap
     them: set_custom_reduce_scatter / set_custom_all_gather)."""
@@ -287,7 +276,7 @@ class FSDPEngine:
         unsharded: list[torch.Tensor | None] = []
         sharded: list[torch.Tensor | None] = []
         for u in self.units:
-            for group in _param_groups(u.module):
+            for group in fsdp_param_groups(u.module):
                 sharded.append(getattr(group, "_partial_reduce_output", None))
                 for fp in group.fsdp_params:
                     whole = getattr(fp, "_unsharded_param", None)
