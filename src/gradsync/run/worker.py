@@ -175,7 +175,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
             elif is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
-            p.engine.memory.stop()  # a profiled window the run ended in (train/memory.py)
+            p.engine.memory.stop()  # a traced window the run ended in (train/memory.py)
             run_log.close()
     finally:
         if control is not None:
