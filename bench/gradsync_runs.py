@@ -54,7 +54,9 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
         train(p, state, log)
         state.epoch, state.epoch_step = 1, 0  # then all of epoch 1, timed
         p.trainer.max_steps, p.trainer.max_epochs = -1, 2
-        calls, nbytes, steps = p.counts.allreduce_calls, p.counts.allreduce_bytes, state.step
+        c = p.counts
+        calls, nbytes, steps = c.allreduce_calls, c.allreduce_bytes, state.step
+        sharded = c.reduce_scatter_bytes + c.all_gather_bytes  # fsdp: what else went out
         w.start_clock()
         train(p, state, log)
         samples_per_s = w.stop_clock()
@@ -67,5 +69,8 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
             losses = [r["loss"] for r in rows if r["epoch"] == 1]
     timed_steps = state.step - steps
     return w.result(samples_per_s, sum(losses), len(losses),
-                    allreduce_calls=(p.counts.allreduce_calls - calls) / timed_steps,
-                    allreduce_bytes=(p.counts.allreduce_bytes - nbytes) / timed_steps)
+                    allreduce_calls=(c.allreduce_calls - calls) / timed_steps,
+                    allreduce_bytes=(c.allreduce_bytes - nbytes) / timed_steps,
+                    sharded_bytes=(c.reduce_scatter_bytes + c.all_gather_bytes - sharded)
+                    / timed_steps,
+                    grad_held_bytes=p.engine.memory.grads.held_bytes)

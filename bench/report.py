@@ -59,8 +59,9 @@ def write(path: Path, runs: dict, traffic: dict, ns: list[int], names: list[str]
     for n in ns:
         lines += [f"## N = {n}", "",
                   "| variant | samples/s median [min-max] | x hand-written | x no-comm bound |"
-                  " all-reduce calls / step | MB / step | peak RSS MB | epoch loss |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  " all-reduce calls / step | all-reduce MB / step | reduce-scatter +"
+                  " all-gather MB / step | gradients held MB | peak RSS MB | epoch loss |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         base, bound = med.get(("handwritten", n)), med.get(("nocomm", n))
         for name in names:
             rs = runs[(name, n)]
@@ -68,10 +69,13 @@ def write(path: Path, runs: dict, traffic: dict, ns: list[int], names: list[str]
             t = traffic.get((name, n), {"allreduce_calls": 0.0, "allreduce_bytes": 0.0})
             ratio = f"{med[(name, n)] / base:.3f}" if base else "-"
             frac = f"{med[(name, n)] / bound:.3f}" if bound else "-"
+            # gradsync's rows measure their FSDP collectives and held gradients (docs/sharded.md)
+            sharded = f"{t['sharded_bytes'] / 2**20:.2f}" if "sharded_bytes" in t else "-"
+            held = f"{t['grad_held_bytes'] / 2**20:.2f}" if "grad_held_bytes" in t else "-"
             lines.append(
                 f"| {name} | {med[(name, n)]:.0f} [{min(s):.0f}-{max(s):.0f}] | {ratio} | {frac}"
-                f" | {t['allreduce_calls']:.1f} | {t['allreduce_bytes'] / 2**20:.2f}"
-                f" | {_median(rs, 'peak_rss_mb'):.0f} | {_median(rs, 'epoch_loss'):.8f} |")
+                f" | {t['allreduce_calls']:.1f} | {t['allreduce_bytes'] / 2**20:.2f} | {sharded}"
+                f" | {held} | {_median(rs, 'peak_rss_mb'):.0f} | {_median(rs, 'epoch_loss'):.8f} |")
         lines.append("")
     lines += targets(runs, ns)
     path.write_text("\n".join(lines) + "\n")

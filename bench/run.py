@@ -62,6 +62,15 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
         "gradsync_runs", "run",
         {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
                                              "trainer.trace_sync=true")}),
+    # FSDP2 (docs/sharded.md): whole gradients held until the window's last micro-batch, or a
+    # reduce-scatter after every micro-batch; parameters all-gathered for every forward and
+    # backward (MB / step counts the reduce-scatters and all-gathers too)
+    "gradsync fsdp accumulate (boundary)": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=fsdp",)}),
+    "gradsync fsdp accumulate (every)": (
+        "gradsync_runs", "run", {"sync": "accumulate",
+                                 "overrides": ("trainer.engine=fsdp",
+                                               "sync.reduce_scatter=every")}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),
 }

@@ -58,13 +58,18 @@ class MLP(nn.Sequential):
                  hidden_sizes: list[int] | tuple[int, ...] = (128, 128),
                  activation: str = "relu", dropout: float = 0.0):
         layers: list[nn.Module] = []
+        hidden = []
         for width in hidden_sizes:
+            hidden.append(str(len(layers)))
             layers += [nn.Linear(in_dim, width), ACTIVATIONS[activation]()]
             if dropout:
                 layers.append(nn.Dropout(dropout))  # draws from each rank's own stream
             in_dim = width
         layers.append(nn.Linear(in_dim, out_dim))
         super().__init__(*layers)
+        # sharded engines (engines/fsdp.py): each hidden layer is a unit, the output layer
+        # stays with the root
+        self.fsdp_units = tuple(hidden)
 
 
 class Block(nn.Module):
@@ -110,6 +115,8 @@ class Transformer(nn.Module):
     Batches are right-padded, so padding only ever follows a sequence's real tokens and the
     causal mask alone keeps every real position from attending to it: no padding mask needed.
     Logits at padding positions are meaningless; their targets are ignored by the loss."""
+
+    fsdp_units = ("blocks.*",)  # sharded engines: each block is a unit (engines/fsdp.py)
 
     def __init__(self, vocab_size: int, max_len: int, d_model: int = 32, n_layers: int = 2,
                  n_heads: int = 2, mlp_ratio: int = 4):

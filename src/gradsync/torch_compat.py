@@ -15,6 +15,11 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   synchronising backward unless find_unused_parameters, a first bucket of
   ``_DEFAULT_FIRST_BUCKET_BYTES`` only when no bucket_cap_mb is given) are the same in both
   (tests/test_gradsync_engine.py compares the partitions, run by ``make compat`` too).
+- FSDP2 keeps a unit's parameter groups as a list ``_fsdp_param_groups`` from 2.13 (per-parameter
+  meshes), one ``_fsdp_param_group`` (or None) before: the gradient memory count reads them
+  (engines/fsdp.py). Every public FSDP2 and torch.distributed.checkpoint API the sharded engines
+  call, and the legacy profiler's private API train/memory.py traces allocations with, are the
+  same in 2.11 and 2.13.
 """
 
 from __future__ import annotations
@@ -32,3 +37,13 @@ def ddp_buffer_sync(sync: bool) -> dict[str, Any]:
     if "forward_sync_buffers" in _DDP_KEYWORDS:  # torch >= 2.13
         return {"forward_sync_buffers": sync}
     return {"broadcast_buffers": sync}
+
+
+def fsdp_param_groups(unit: Any) -> list[Any]:
+    """FSDP2's parameter groups of one fully_shard unit, on this torch."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13
+    if groups is None:
+        one = state._fsdp_param_group
+        groups = [] if one is None else [one]
+    return list(groups)

@@ -44,7 +44,9 @@ def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -
                 value)
 
 
-ENGINES = ("torch_ddp", "gradsync")  # trainer.engine (gradsync/engines, docs/engines.md)
+# trainer.engine (gradsync/engines; docs/engines.md, docs/sharded.md)
+ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
+SHARDED_ENGINES = ("fsdp", "hsdp")  # FSDP2: sharded parameters, sharded checkpoints
 ALLREDUCE = ("auto", "shared_memory", "process_group")
 BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
 # Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
@@ -68,7 +70,12 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    engine: str = "torch_ddp"  # the data-parallel engine: torch_ddp | gradsync (docs/engines.md)
+    engine: str = "torch_ddp"  # the data-parallel engine: torch_ddp | gradsync | fsdp | hsdp
+    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
+    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
+    # dimension (0: one replica per host)
+    fsdp_units: str = "auto"
+    replicas: int = 0
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping

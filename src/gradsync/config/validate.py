@@ -30,12 +30,14 @@ from gradsync.config.schema import (
     COMPONENTS,
     DATA_EXTRA,
     SCHEMA_GROUPS,
+    SHARDED_ENGINES,
     TOP_KEYS,
     RunConfig,
 )
 from gradsync.data.bundle import build_data, check_bundle
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
+from gradsync.sync.layer_sync import meta_model
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
@@ -150,9 +152,9 @@ def check_sizes(model_node: dict[str, Any], data_target: str, sizes: dict[str, i
                               f"{also}")
 
 
-def check_policy(cfg: RunConfig, world: int) -> None:
+def check_policy(cfg: RunConfig, world: int) -> Any:
     """The sync component builds a policy (sync/policy.py's contract: should_sync(micro_index,
-    window_size)); built here as a worker builds it, without a model."""
+    window_size)); built here as a worker builds it, without a model. Returns it."""
     from gradsync.sync.comm import CommCounts
     from gradsync.sync.policy import as_policy, decides_per_bucket
 
@@ -163,6 +165,25 @@ def check_policy(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
                           f"(sync_bucket), which trainer.engine={cfg.trainer.engine} cannot "
                           "carry out: set trainer.engine=gradsync")
+    return policy
+
+
+
+def check_engine(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
+    """What the chosen engine cannot run with the other choices (a sharded engine: fp16,
+    model averaging, a unit whose parameters reduce differently...), and an engine's settings
+    given to another one (engines/fsdp.py check_config)."""
+    from gradsync.engines.fsdp import check_config
+
+    tr = cfg.trainer
+    if tr.engine in SHARDED_ENGINES:
+        for key in ("trace_sync", "find_unused_parameters"):
+            require(not getattr(tr, key), f"trainer.{key}",
+                    f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
+                    "gradsync)", getattr(tr, key))
+    check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
+                 policy=lambda: check_policy(cfg, world),
+                 model=lambda: meta_model(plain["model"], plain["data"], cfg.seed, DATA_EXTRA))
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:
@@ -223,4 +244,5 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)
     check_components(plain, cfg, placement.world_size)
+    check_engine(plain, cfg, placement.world_size)
     return cfg

@@ -404,16 +404,21 @@ def evaluate(model: torch.nn.Module, data: DataBundle, rank: int, world_size: in
              device: torch.device, batch_size: int = 512) -> dict[str, float]:
     """Held-out metrics over the whole eval set, each rank scoring a disjoint shard: the loss
     per unit (sample or token), accuracy when the data has a ``correct`` metric, perplexity on
-    token data."""
+    token data. Every rank runs the same number of forwards (a sharded model's forward is
+    collective): a rank whose shard ran out scores its first sample again and counts nothing."""
     was_training = model.training
     model.eval()
     ds = data.eval
     idx = range(rank, len(ds), world_size)  # type: ignore[arg-type]
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, units
-    for start in range(0, len(idx), batch_size):
-        x, y = (data.collate or default_collate)([ds[i] for i in idx[start:start + batch_size]])
+    largest = -(-len(ds) // world_size)  # type: ignore[arg-type]
+    for start in range(0, largest, batch_size):
+        part = idx[start:start + batch_size]
+        x, y = (data.collate or default_collate)([ds[i] for i in part or idx[:1] or [0]])
         x, y = x.to(device), y.to(device)
         out = model(x)
+        if not part:
+            continue
         sums, counts = data.loss(out, y)
         totals[0] += sums.double().sum()
         if data.correct is not None:

@@ -4,16 +4,23 @@ decisions. ``base.py`` is the interface the loop talks to; ``ENGINES`` maps each
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from gradsync.engines.base import Engine
+from gradsync.engines.fsdp import build_fsdp, build_hsdp
 from gradsync.engines.gradsync_ddp import build_gradsync_ddp
 from gradsync.engines.torch_ddp import build_torch_ddp
 
 ENGINES: dict[str, Callable[..., Engine]] = {"torch_ddp": build_torch_ddp,
-                                             "gradsync": build_gradsync_ddp}
+                                             "gradsync": build_gradsync_ddp,
+                                             "fsdp": build_fsdp, "hsdp": build_hsdp}
 
 
 def build_engine(name: str, **kwargs: Any) -> Engine:
-    return ENGINES[name](**kwargs)
+    """The engine `name`, given the keywords its builder names (as components get the run-time
+    arguments they name): the worker offers every trainer setting an engine may need."""
+    builder = ENGINES[name]
+    accepted = inspect.signature(builder).parameters
+    return builder(**{k: v for k, v in kwargs.items() if k in accepted})

@@ -2,7 +2,7 @@
 
 An engine wraps one rank's model and carries out the sync policy's decision for each
 micro-batch. The loop never sees the wrapper class (torch's ``DistributedDataParallel``,
-gradsync's own engine; FSDP2 plugs in the same way): it calls the engine as the model,
+gradsync's own engine, FSDP2's ``fully_shard`` units): it calls the engine as the model,
 runs each micro-batch's forward *and* backward inside ``engine.micro_batch(sync)``, steps the
 optimizer on ``engine.parameters()``, lets the engine zero the gradients, and asks it for the
 model to evaluate and to average, and for the model's state to save and restore.
@@ -31,6 +31,7 @@ from torch import nn
 
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts
+from gradsync.train.memory import MemoryMeter
 
 
 class Engine(Protocol):
@@ -41,6 +42,9 @@ class Engine(Protocol):
     counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
     transport: str  # how the gradients travel: process_group | shared_memory
     trace: SyncTrace | None  # trainer.trace_sync's recorder (engines/trace.py), or None
+    # the gradient bytes held after each backward (the engine records them on leaving
+    # micro_batch()) and the rank's peak memory (train/memory.py)
+    memory: MemoryMeter
 
     def __call__(self, *inputs: Any) -> Any:
         """The forward of one micro-batch (inside micro_batch())."""

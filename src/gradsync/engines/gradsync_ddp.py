@@ -52,6 +52,7 @@ from gradsync.engines.allreduce import policy_allreduce
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts, CountingState, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
+from gradsync.train.memory import MemoryMeter, storage_bytes
 
 BROADCAST_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size: one broadcast per 250 MiB
 
@@ -111,8 +112,11 @@ class GradsyncDDP:
     def __init__(self, model: nn.Module, policy: SyncPolicy, ignored: list[str],
                  allreduce: CountingState, transport: str, bucket_cap_mb: float | None = 25.0,
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
-                 trace: SyncTrace | None = None):
+                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.module = model
+        # the gradient bytes held after each backward (train/memory.py)
+        self.memory = memory if memory is not None else MemoryMeter(
+            next(model.parameters()).device)
         self.policy = policy
         self.allreduce, self.transport = allreduce, transport
         self.counts: CommCounts = allreduce.counts
@@ -235,6 +239,8 @@ class GradsyncDDP:
                 yield
         finally:
             self.require_sync = previous
+        # every rank holds whole gradients (and the buckets' flat copies while they travel)
+        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
 
     # --- 4. backward: one parameter's gradient is ready ---------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -405,7 +411,8 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
                        world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                        gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                        find_unused_parameters: bool = False,
-                       trace: SyncTrace | None = None) -> GradsyncDDP:
+                       trace: SyncTrace | None = None,
+                       memory: MemoryMeter | None = None) -> GradsyncDDP:
     """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce
     inside the counting hook, through shared memory where `allreduce` allows."""
     ignored = policy.bind(model)
@@ -414,4 +421,4 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
                                         trace)
     return GradsyncDDP(model, policy, ignored, state, transport, bucket_cap_mb,
-                       gradient_as_bucket_view, find_unused_parameters, trace)
+                       gradient_as_bucket_view, find_unused_parameters, trace, memory)

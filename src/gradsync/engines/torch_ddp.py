@@ -24,6 +24,7 @@ from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
+from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
 class TorchDDP:
@@ -33,10 +34,12 @@ class TorchDDP:
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,
-                 trace: SyncTrace | None = None):
+                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
         self.counts = counts if counts is not None else CommCounts()
+        self.memory = memory if memory is not None else MemoryMeter(
+            next(ddp.module.parameters()).device)
         self.transport = transport
         # trainer.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
         self.trace = trace
@@ -55,6 +58,8 @@ class TorchDDP:
         with nullcontext() if sync else self.ddp.no_sync(), \
                 self.trace.micro_batch(sync) if self.trace else nullcontext():
             yield
+        # every rank holds whole gradients (views into DDP's buckets: each bucket once)
+        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
@@ -81,7 +86,8 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                     gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                     find_unused_parameters: bool = False,
-                    trace: SyncTrace | None = None) -> TorchDDP:
+                    trace: SyncTrace | None = None,
+                    memory: MemoryMeter | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host)."""
@@ -106,4 +112,4 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     # spares the zeroing pass and the backward's accumulation into the zeros
     return TorchDDP(ddp, counts, transport,
                     grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters,
-                    trace=trace)
+                    trace=trace, memory=memory)

@@ -40,7 +40,10 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
             "peak_gpu_mem_mb": peak_memory_mb(p.device), "device": device_name(p.device),
             "averaging": None if a is None else asdict(a), "groups": c.groups,
-            "trace": trace.summary() if trace else None}
+            "trace": trace.summary() if trace else None,
+            "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
+                "groups": c.sharded_groups},
+            "memory": p.engine.memory.summary()}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -80,7 +83,9 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "allreduce": p.engine.transport,
         "seed": seed,
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
-      | group_summary(per_rank("groups")) | trace_summary(per_rank("trace"))
+      | group_summary(per_rank("groups")) | trace_summary(per_rank("trace")) \
+      | sharded_summary(per_rank("sharded")) | memory_summary(per_rank("memory"))
+
 
 
 def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -89,6 +94,34 @@ def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
     if per_rank[0] is None:
         return {}
     return {"sync_trace": {k: [r[k] for r in per_rank if r is not None] for k in per_rank[0]}}
+
+
+
+# a sharded engine's collectives besides all-reduces (sync/comm.py CommCounts)
+SHARDED_COUNTS = ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
+                  "all_gather_bytes")
+
+
+def sharded_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded engine's reduce-scatters and all-gathers: calls and bytes per rank, and per
+    sync.groups group (`rest`: the parameters no rule matched); nothing for other engines."""
+    if not any(r["reduce_scatter_calls"] or r["all_gather_calls"] for r in per_rank):
+        return {}
+    out: dict[str, Any] = {k: [r[k] for r in per_rank] for k in SHARDED_COUNTS}
+    out["sharded_groups"] = {
+        kind: {g: {"calls": [r["groups"].get(kind, {}).get(g, [0, 0])[0] for r in per_rank],
+                   "bytes": [r["groups"].get(kind, {}).get(g, [0, 0])[1] for r in per_rank]}
+               for g in groups}
+        for kind, groups in per_rank[0]["groups"].items()}
+    return out
+
+
+def memory_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per rank: the gradient bytes held after a backward (whole and sharded, maxima over the
+    run) and the peak memory during training, with what measured it (train/memory.py)."""
+    keys = ("grad_unsharded_bytes", "grad_sharded_bytes", "grad_held_bytes", "peak_mb")
+    return {"memory": {k: [r[k] for r in per_rank] for k in keys}
+            | {"peak_measure": per_rank[0]["peak_measure"]}}
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:

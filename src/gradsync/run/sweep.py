@@ -4,7 +4,9 @@ sweep_summary.md and sweep.png in the sweep dir.
 Everything comes from files (each job's .hydra/, summary.json, metrics.jsonl and evals.jsonl),
 never from in-process job results: Hydra hands its multirun-end callback none, and jobs may have
 run in other processes (joblib launcher). `python -m gradsync.run.sweep <sweep dir> [target loss]`
-writes the summary of an interrupted sweep by hand.
+writes the summary of an interrupted sweep by hand. When its jobs hold different gradient
+memory (engines, sharding: docs/sharded.md), memory.png puts each job's memory against the
+bytes it moved per optimizer step.
 
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
 axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
@@ -171,6 +173,11 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "allreduce_calls": ("all-reduce calls/rank", str),
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
+    "reduce_scatter_bytes": ("reduce-scatter MB/rank", lambda v: f"{v / 1e6:.2f}"),  # fsdp, hsdp
+    "all_gather_bytes": ("all-gather MB/rank", lambda v: f"{v / 1e6:.2f}"),
+    "comm_bytes_per_step": ("MB/step (rank 0)", lambda v: f"{v / 1e6:.3f}"),
+    "grad_held_bytes": ("grad MB held", lambda v: f"{v / 1e6:.2f}"),
+    "peak_mem_mb": ("peak MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
     "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
@@ -197,18 +204,29 @@ def _loss_spread(rows: list[dict[str, Any]]) -> str:
 
 
 def _against_first(rows: list[dict[str, Any]]) -> list[str]:
-    """When the jobs move different all-reduce bytes (per-layer rules, wire dtypes, local SGD):
-    each job's bytes and final losses against the first completed job's: what it saves and
-    what that costs."""
+    """When the jobs move different all-reduce bytes (per-layer rules, wire dtypes, local SGD;
+    with sharded engines: the bytes of every collective): each job's bytes and final losses
+    against the first completed job's: what it saves and what that costs."""
     done = [r for r in rows if r["status"] == "completed"]
-    if len(done) < 2 or len({r["allreduce_bytes"] for r in done}) < 2:
+    # with sharded engines among the jobs: every collective's bytes, not only the all-reduce's
+    sharded = any(r.get("reduce_scatter_bytes", "") != "" for r in done)
+    kinds = ("allreduce_bytes", "reduce_scatter_bytes", "all_gather_bytes") if sharded else \
+        ("allreduce_bytes",)
+    what = "bytes sent (all-reduce + reduce-scatter + all-gather)" if sharded else \
+        "all-reduce bytes"
+
+    def sent(r: dict[str, Any]) -> float:
+        return sum(r.get(k) or 0 for k in kinds)
+
+    if len(done) < 2 or len({sent(r) for r in done}) < 2:
         return []
     first = done[0]
     lines = [f"Against job {first['job']} ({first['overrides'] or 'no overrides'}):"]
     for r in done[1:]:
-        ratio = r["allreduce_bytes"] / first["allreduce_bytes"] if first["allreduce_bytes"] \
-            else math.inf
-        parts = [f"all-reduce bytes x{ratio:.3f} ({(1 - ratio) * 100:.1f} % saved)"]
+        ratio = sent(r) / sent(first) if sent(first) else math.inf
+        change = f"{(1 - ratio) * 100:.1f} % saved" if ratio <= 1 else \
+            f"{(ratio - 1) * 100:.1f} % more"
+        parts = [f"{what} x{ratio:.3f} ({change})"]
         for key in ("final_train_loss", "eval_loss"):
             if key in r and key in first:
                 delta = r[key] - first[key]
@@ -304,6 +322,44 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     return fig
 
 
+def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
+    """When the completed jobs hold different gradient memory (engines, sharding flavours): one
+    point per job, gradient memory held (left) and peak memory (right) against the bytes it
+    moved per optimizer step (rank 0's all-reduce, reduce-scatter and all-gather bytes).
+    Returns whether it wrote the plot."""
+    done = [r for r in rows if r["status"] == "completed" and "grad_held_bytes" in r]
+    if len(done) < 2 or len({r["grad_held_bytes"] for r in done}) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peaks = all(r.get("peak_mem_mb", "") != "" for r in done)
+    fig, axes = plt.subplots(1, 2 if peaks else 1, figsize=(13 if peaks else 7, 4.8),
+                             squeeze=False)
+    panels = [("grad_held_bytes", 1e-6, "gradient memory held after a backward (MB)")]
+    if peaks:
+        panels.append(("peak_mem_mb", 1.0, "peak memory during training (MB)"))
+    for ax, (key, scale, ylabel) in zip(axes[0], panels, strict=True):
+        for r in done:
+            x, y = r["comm_bytes_per_step"] / 1e6, r[key] * scale
+            ax.plot(x, y, "o", markersize=8)
+            label = " ".join(str(r[k]) for k in r.get("_swept", [])) or f"job {r['job']}"
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4),
+                        fontsize="small")
+        ax.set(xlabel="MB sent per optimizer step (rank 0: all-reduce + reduce-scatter + "
+                      "all-gather)", ylabel=ylabel)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("Memory (the largest rank's) against bytes sent, one point per job")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 @dataclass
 class SweepSummary:
     jobs: int
@@ -324,6 +380,8 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSum
     text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None)
     (sweep_dir / "sweep_summary.md").write_text(text)
     plot(jobs, sweep_dir / "sweep.png", target)
+    swept = swept_keys(jobs)
+    plot_memory([r | {"_swept": swept} for r in rows], sweep_dir / "memory.png")
     return SweepSummary(len(rows), sum(r["status"] != "completed" for r in rows), text)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.components import build
-from gradsync.config.schema import RunConfig
+from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
@@ -35,9 +35,10 @@ from gradsync.run.ranks import is_rank0
 from gradsync.run.slurm import task_has_own_cpus, watched_signals
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import as_policy
-from gradsync.train import checkpoint
+from gradsync.train import checkpoint, sharded_checkpoint
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress, train
+from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import build_normalizer
 from gradsync.train.precision import build_precision
@@ -74,6 +75,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     """Everything the loop needs, built from the run's config, on an initialised process
     group. Components come from their ``_target_``; each gets the run-time arguments it names."""
     tr, seed, micro = cfg.trainer, cfg.seed, cfg.micro_batch_size
+    memory = MemoryMeter(device)
     set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
     # built by the config check when this rank was forked from it (or checked it itself)
@@ -90,7 +92,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     engine = build_engine(tr.engine, model=model, policy=policy, device=device,
                           world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,
                           gradient_as_bucket_view=tr.gradient_as_bucket_view,
-                          allreduce=tr.allreduce,
+                          allreduce=tr.allreduce, memory=memory, precision=cfg.precision.name,
+                          fsdp_units=tr.fsdp_units, replicas=tr.replicas,
                           find_unused_parameters=tr.find_unused_parameters,
                           trace=SyncTrace(rank) if tr.trace_sync else None)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
@@ -135,12 +138,18 @@ def run_training(cfg: RunConfig, run_dir: Path,
                if world_size > 1 else None)
     ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
+    sharded = tr.engine in SHARDED_ENGINES  # checkpoints through torch.distributed.checkpoint
+
     def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
+        if sharded:
+            sharded_checkpoint.write(p, state, plain, control, ckpt_dir, tr.keep_checkpoints)
+            return
         out = trainstate.capture(p, state, plain, control)
         if out is not None:
             checkpoint.write(out, ckpt_dir, tr.keep_checkpoints)
 
     p.checkpoint = save
+    p.after_window.append(p.engine.memory.after_window)  # the CPU's peak memory: train/memory.py
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     if p.engine.trace:  # the job process merges the ranks' files into trace.json
         p.engine.trace.open(run_dir / TRACE_DIR / f"rank{rank}.jsonl")
@@ -150,11 +159,13 @@ def run_training(cfg: RunConfig, run_dir: Path,
         resumed_from = agreed_resume(cfg.resume, world_size, control)
         state = Progress()
         if resumed_from is not None:
-            state = trainstate.restore(p, checkpoint.load(resumed_from), rank)
+            state = (sharded_checkpoint.load(p, resumed_from, rank, control) if sharded else
+                     trainstate.restore(p, checkpoint.load(resumed_from), rank))
             log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
         run_log = RunLog(run_dir, active=is_rank0(), total_steps=p.total_steps,
                          progress_bar=tr.progress_bar, start_window=state.windows)
         try:
+            p.engine.memory.start()
             state = train(p, state, run_log)
             summary = run_summary.summarize(p, state, cfg.seed)
             newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []
@@ -165,9 +176,12 @@ def run_training(cfg: RunConfig, run_dir: Path,
             if p.stop.agreed:
                 log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
                          state.step)
-            if is_rank0() and newest:
+            if sharded and newest:
+                sharded_checkpoint.write_last(p, newest[0])  # collective: gathers the model
+            elif is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
+            p.engine.memory.stop()  # a traced window the run ended in (train/memory.py)
             run_log.close()
     finally:
         if p.engine.trace:
@@ -188,7 +202,7 @@ def agreed_resume(resume: str, world_size: int, group: Any) -> Path | None:
     dist.broadcast_object_list(chosen, src=0, group=group)
     path = Path(chosen[0]) if chosen[0] else None
     readable: list[Any] = [None] * world_size
-    dist.all_gather_object(readable, path is None or path.is_file(), group=group)
+    dist.all_gather_object(readable, path is None or path.exists(), group=group)
     blind = [r for r, ok in enumerate(readable) if not ok]
     if blind:  # every rank raises alike: none is left waiting in a collective
         raise checkpoint.ResumeError(f"ranks {blind} cannot read rank 0's checkpoint {path}: "

@@ -17,6 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
+# The collectives of a sharded engine (engines/fsdp.py), as counted by CommCounts.add_collective.
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
+
+
 @dataclass
 class CommCounts:
     allreduce_calls: int = 0
@@ -25,6 +29,15 @@ class CommCounts:
     # per parameter group of sync.groups (layer_sync.py): name -> [calls, bytes]; a call counts
     # for every group whose tensors it carried
     groups: dict[str, list[int]] = field(default_factory=dict)
+    # a sharded engine's reduce-scatters and all-gathers (its all-reduces across HSDP replicas
+    # count as all-reduces above): calls, and bytes of the whole (unsharded, padded) tensor
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0
+    all_gather_calls: int = 0
+    all_gather_bytes: int = 0
+    # a sharded engine's reduce-scatters and all-gathers per group: collective -> name ->
+    # [calls, bytes] (its all-reduces per group are in `groups`)
+    sharded_groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def add(self, calls: int, nbytes: int, group: str | None = None) -> None:
         """Count all-reduces made outside the counting hook (a policy's averaging)."""
@@ -37,6 +50,36 @@ class CommCounts:
         row = self.groups.setdefault(group, [0, 0])
         row[0] += calls
         row[1] += nbytes
+
+    def add_collective(self, kind: str, group: str, nbytes: int) -> None:
+        """One collective of a sharded engine (kind: one of COLLECTIVES) over a unit of `group`,
+        `nbytes` the whole tensor it reduced or gathered."""
+        if kind == "all_reduce":
+            self.add(1, nbytes, group)
+            return
+        setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + 1)
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
+        row = self.sharded_groups.setdefault(kind, {}).setdefault(group, [0, 0])
+        row[0] += 1
+        row[1] += nbytes
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a sharded engine's collectives were counted."""
+        return bool(self.reduce_scatter_calls or self.all_gather_calls)
+
+    def sharded_scalars(self) -> dict[str, float]:
+        """TensorBoard's comm/ scalars of a sharded engine's reduce-scatters and all-gathers
+        (none when it counted none), per group too."""
+        if not self.sharded:
+            return {}
+        out: dict[str, float] = {}
+        for kind in COLLECTIVES[:2]:
+            out[f"comm/{kind}_calls"] = getattr(self, f"{kind}_calls")
+            out[f"comm/{kind}_bytes"] = getattr(self, f"{kind}_bytes")
+            for group, (_, nbytes) in self.sharded_groups.get(kind, {}).items():
+                out[f"comm/{kind}_bytes/{group}"] = nbytes
+        return out
 
 
 @dataclass(frozen=True)
@@ -64,6 +107,27 @@ class InnerHook:
     # run on the backend's thread: a bucket's hook starts only once the previous bucket's
     # future is done, or the ranks could interleave the collectives of two buckets differently
     sequential: bool = False
+
+
+# How a sharded engine's unit accumulates between synchronising micro-batches (sync.reduce_scatter
+# and sync.replica_all_reduce, per group through sync.groups): `boundary` waits for the policy's
+# synchronising micro-batch, `every` runs on every backward.
+FLAVOURS = ("boundary", "every")
+
+
+@dataclass(frozen=True)
+class ShardedSync:
+    """What a sharded engine (engines/fsdp.py) does with one parameter's gradients: its
+    counterpart of InnerHook. `reduce_scatter`: boundary (gradients accumulate unsharded,
+    without traffic, and are reduce-scattered on the policy's synchronising micro-batch) or
+    every (reduce-scattered after every backward: sharded gradients accumulate). On HSDP,
+    `replica_all_reduce`: the all-reduce of the shards across replicas on the synchronising
+    micro-batch only (boundary) or after every reduce-scatter (every)."""
+
+    group: str = "rest"  # the sync.groups label its collectives are counted under
+    wire: torch.dtype | None = None  # the reduction's dtype; None: the gradients' own
+    reduce_scatter: str = "boundary"
+    replica_all_reduce: str = "boundary"
 
 
 # DDP's own low-precision all-reduces: cast the bucket, all-reduce, cast the mean back.

@@ -8,6 +8,10 @@ name: <label>}``:
   ranks with the same mechanism as local SGD (``averaging.average_``, fp32), and once more when
   the run ends. Optimizer state stays per rank (checkpoints keep each rank's, trainstate.py).
 
+- ``reduce_scatter: boundary|every`` and ``replica_all_reduce: boundary|every``: on a sharded
+  engine (trainer.engine=fsdp or hsdp), how the group's units accumulate between synchronising
+  micro-batches (sync/comm.py ``ShardedSync``; default: the policy's); docs/sharded.md.
+
 Parameters no rule matches (the group ``rest``) follow the policy. Inside one DDP bucket the
 gradients of different wire dtypes go out in one all-reduce per dtype (``grouped_allreduce``);
 when every synchronised parameter shares one wire dtype the policy's own single all-reduce runs,
@@ -31,13 +35,20 @@ from gradsync.components import CheckContext, ConfigError, require
 from gradsync.data.bundle import build_data
 from gradsync.models import build_on_meta
 from gradsync.sync.averaging import average_
-from gradsync.sync.comm import CommCounts, InnerHook, Traffic, allreduce_in
+from gradsync.sync.comm import (
+    FLAVOURS,
+    CommCounts,
+    InnerHook,
+    ShardedSync,
+    Traffic,
+    allreduce_in,
+)
 from gradsync.train.precision import DTYPES
 
 REST = "rest"  # the parameters no rule matches
 # sync.groups as a policy receives it (a list from the config; the signature's default is ())
 Rules = list[dict[str, Any]] | tuple[dict[str, Any], ...]
-RULE_KEYS = ("params", "comm_dtype", "every", "name")
+RULE_KEYS = ("params", "comm_dtype", "every", "name", "reduce_scatter", "replica_all_reduce")
 SHOWN_NAMES = 24  # parameter names an error lists at most (closest first)
 
 
@@ -47,6 +58,8 @@ class Rule:
     params: str
     comm_dtype: str | None = None  # None: the policy's wire dtype
     every: int | None = None  # None: gradients all-reduced; K: parameters averaged every K windows
+    reduce_scatter: str | None = None  # sharded engines; None: the policy's
+    replica_all_reduce: str | None = None  # HSDP; None: the policy's
 
     def matches(self, param: str) -> bool:
         return any(fnmatchcase(param, p.strip()) for p in self.params.split("|"))
@@ -58,7 +71,9 @@ class Rule:
     def describe(self, base: str) -> str:
         if self.every is not None:
             return f"averaged every {self.every} windows (fp32)"
-        return f"{self.comm_dtype or base} all-reduce"
+        sharded = [f"{key}={value}" for key, value in (("reduce_scatter", self.reduce_scatter),
+                   ("replica_all_reduce", self.replica_all_reduce)) if value is not None]
+        return f"{self.comm_dtype or base} all-reduce" + "".join(f", {s}" for s in sharded)
 
 
 def parse_rules(groups: Any) -> list[Rule]:
@@ -88,13 +103,21 @@ def parse_rules(groups: Any) -> list[Rule]:
             raise ConfigError(f"{key}: every={every} averages the parameters themselves, in "
                               f"fp32 (a {dtype} wire would round the weights): drop comm_dtype "
                               "or set it to fp32")
+        for flavour in ("reduce_scatter", "replica_all_reduce"):
+            value = g.get(flavour)
+            require(value is None or value in FLAVOURS, f"{key}.{flavour}",
+                    f"one of {', '.join(FLAVOURS)} (sharded engines: docs/sharded.md)", value)
+            if value is not None and every is not None:
+                raise ConfigError(f"{key}: every={every} averages the parameters instead of "
+                                  f"reducing their gradients: drop {flavour}")
         name = g.get("name", params)
         require(isinstance(name, str) and bool(name) and name != REST and "/" not in name,
                 f"{key}.name", f"a label other than {REST!r}, without '/'", name)
         if any(r.name == name for r in rules):
             raise ConfigError(f"{key}.name={name!r} is not allowed: another rule has this "
                               "name (names label the counts)")
-        rules.append(Rule(name, params, dtype, every))
+        rules.append(Rule(name, params, dtype, every, g.get("reduce_scatter"),
+                          g.get("replica_all_reduce")))
     return rules
 
 
@@ -123,13 +146,19 @@ def check_every_rule_matches(rules: list[Rule], names: list[str]) -> None:
 ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
 
 
-def model_parameters(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
-                     extra: Iterable[str] = ("micro_batch_size",)) -> list[ParamInfo]:
+def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
+               extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
     """Build the data (for the model's sizes; once per process: build_data) and the model on
     the meta device (no memory for the weights; on the CPU if the model cannot be built
-    there): its named parameters."""
+    there)."""
     data = build_data(data_node, seed, tuple(extra))
-    model = build_on_meta(model_node, data.sizes)
+    return build_on_meta(model_node, data.sizes)
+
+
+def model_parameters(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
+                     extra: Iterable[str] = ("micro_batch_size",)) -> list[ParamInfo]:
+    """The named parameters of the model (built on the meta device: meta_model)."""
+    model = meta_model(model_node, data_node, seed, extra)
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 
@@ -199,6 +228,26 @@ def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:
     for label, (count, nbytes) in totals.items():
         lines.append(f"{label}: {count} tensors, {nbytes} bytes")
     return "\n".join(lines)
+
+
+def sharded_sync(rules: list[Rule], names: Iterable[str], base: torch.dtype | None,
+                 reduce_scatter: str, replica_all_reduce: str | None) -> dict[str, ShardedSync]:
+    """Each parameter's ShardedSync on a sharded engine: its rule's wire dtype and flavours,
+    or the policy's (base, reduce_scatter, replica_all_reduce; the latter None: as
+    reduce_scatter). ConfigError for a replica all-reduce on every backward of gradients that
+    are reduce-scattered only at the boundary: there would be nothing to all-reduce."""
+    out = {}
+    for name, rule in assign(rules, names).items():
+        rs = (rule.reduce_scatter if rule else None) or reduce_scatter
+        ar = (rule.replica_all_reduce if rule else None) or replica_all_reduce or rs
+        if rs == "boundary" and ar == "every":
+            where = f"sync.groups rule {rule.name!r}" if rule else "sync"
+            raise ConfigError(f"{where}: replica_all_reduce=every with reduce_scatter=boundary "
+                              f"(parameter {name!r}): the all-reduce across replicas follows a "
+                              "reduce-scatter, so it cannot run more often; set "
+                              "reduce_scatter=every or replica_all_reduce=boundary")
+        out[name] = ShardedSync(REST if rule is None else rule.name, wire_of(rule, base), rs, ar)
+    return out
 
 
 # --- at run time ------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 
 from gradsync.components import CheckContext, ConfigError, checks, require
-from gradsync.sync.comm import CommCounts, InnerHook, allreduce_in
-from gradsync.sync.layer_sync import LayerSync, Rules, check_groups
+from gradsync.sync.comm import FLAVOURS, CommCounts, InnerHook, ShardedSync, allreduce_in
+from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
 from gradsync.sync.policy import OverflowCounts, SyncPolicy
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.train.precision import DTYPES
@@ -65,6 +65,14 @@ class Compression:
     def after_step(self, stepped: bool) -> None:
         if self.powersgd is not None and not stepped:
             self.powersgd.forget()  # its memory of the skipped window holds inf/nan
+
+    def sharded_sync(self, names: list[str], reduce_scatter: str,
+                     replica_all_reduce: str | None) -> dict[str, ShardedSync]:
+        if self.powersgd is not None:
+            raise ConfigError("sync.compression=powersgd compresses DDP's buckets: sharded "
+                              "engines (fsdp, hsdp) reduce-scatter, use sync.compression=none")
+        rules = self.layers.rules if self.layers else []
+        return sharded_sync(rules, names, self.wire_dtype, reduce_scatter, replica_all_reduce)
 
 
 class OverflowConsensus:
@@ -120,8 +128,23 @@ def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
                           "use trainer.allreduce=auto or process_group")
 
 
+def _check_sharded(a: dict[str, Any]) -> None:
+    """The flavours of a sharded engine's accumulation (docs/sharded.md); which engine runs
+    them is checked with the engine's other settings (engines/fsdp.py check_config)."""
+    require(a["reduce_scatter"] in FLAVOURS, "sync.reduce_scatter", f"one of {', '.join(FLAVOURS)}",
+            a["reduce_scatter"])
+    require(a["replica_all_reduce"] is None or a["replica_all_reduce"] in FLAVOURS,
+            "sync.replica_all_reduce", f"null (as sync.reduce_scatter) or one of "
+            f"{', '.join(FLAVOURS)}", a["replica_all_reduce"])
+    if a["reduce_scatter"] == "boundary" and a["replica_all_reduce"] == "every":
+        raise ConfigError("sync.replica_all_reduce=every with sync.reduce_scatter=boundary: the "
+                          "all-reduce across replicas follows a reduce-scatter, so it cannot run "
+                          "more often; set sync.reduce_scatter=every")
+
+
 def _check_accumulate(a: dict[str, Any], ctx: CheckContext) -> None:
     _check_compression(a, ctx)
+    _check_sharded(a)
     check_groups(a, ctx, "fp32")
 
 
@@ -136,6 +159,7 @@ def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
     if a["compression"] == "powersgd" and a["comm_dtype"] != "fp32":
         raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
                           f"sync.comm_dtype=fp32 (not {a['comm_dtype']!r})")
+    _check_sharded(a)
     check_groups(a, ctx, a["comm_dtype"])
 
 
@@ -146,8 +170,11 @@ class WindowSync(SyncPolicy):
     doomed by an overflow on any rank early; groups averaged instead of all-reduced need the
     scaler's flags agreed at the window's end (`agreement`) even without it."""
 
-    def __init__(self, wire: Compression, consensus: bool, uses_scaler: bool):
+    def __init__(self, wire: Compression, consensus: bool, uses_scaler: bool,
+                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None):
         self.wire = wire
+        # on a sharded engine: how units accumulate between synchronising micro-batches
+        self.reduce_scatter, self.replica_all_reduce = reduce_scatter, replica_all_reduce
         self.own_replicas = wire.own_replicas
         self.consensus = OverflowConsensus() if consensus and uses_scaler else None
         # groups averaged instead of all-reduced hold each rank's own gradients: the scaler's
@@ -176,6 +203,9 @@ class WindowSync(SyncPolicy):
     def comm_hook(self) -> InnerHook:
         return self.wire.comm_hook()
 
+    def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
+        return self.wire.sharded_sync(names, self.reduce_scatter, self.replica_all_reduce)
+
     def after_step(self, stepped: bool) -> None:
         self.wire.after_step(stepped)
 
@@ -202,15 +232,17 @@ def _wire(compression: str, powersgd_rank: int, powersgd_start_step: int,
 class AccumulateSync(WindowSync):
     """sync=accumulate: only the last micro-batch of each window all-reduces, in the gradients'
     own dtype; with compression=powersgd rank-r factors of the gradients instead (approximate);
-    with groups, per-layer rules (layer_sync.py)."""
+    with groups, per-layer rules (layer_sync.py). On a sharded engine, reduce_scatter and
+    replica_all_reduce choose how units accumulate in between (sync/comm.py ShardedSync)."""
 
     name = "accumulate"
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: Rules = (),
+                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         super().__init__(_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
-                               counts), False, uses_scaler)
+                               counts), False, uses_scaler, reduce_scatter, replica_all_reduce)
 
 
 @checks(_check_amp_aware)
@@ -223,7 +255,8 @@ class AmpAwareSync(WindowSync):
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: Rules = (),
+                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         super().__init__(_wire(compression, powersgd_rank, powersgd_start_step,
                                DTYPES[comm_dtype], groups, counts),
-                         overflow_consensus, uses_scaler)
+                         overflow_consensus, uses_scaler, reduce_scatter, replica_all_reduce)

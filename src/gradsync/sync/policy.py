@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gradsync.components import ConfigError, kind_of
-from gradsync.sync.comm import InnerHook, allreduce_in
+from gradsync.sync.comm import COMPRESS_HOOKS, InnerHook, ShardedSync, allreduce_in
 
 if TYPE_CHECKING:
     from gradsync.sync.shm_allreduce import SharedSlots
@@ -83,6 +83,19 @@ class SyncPolicy:
     def comm_hook(self) -> InnerHook:
         """The all-reduce the engine runs on a synchronising backward (counted around it)."""
         return allreduce_in(None)
+
+    def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
+        """For a sharded engine (trainer.engine=fsdp or hsdp), instead of comm_hook: how each
+        named parameter's gradients are reduced. By default in the dtype of comm_hook()'s
+        all-reduce, reduce-scattered (and all-reduced across HSDP replicas) on the synchronising
+        micro-batches only. ConfigError if comm_hook() is an all-reduce of the policy's own,
+        which a sharded engine cannot run."""
+        inner = self.comm_hook()
+        if inner.hook is not allreduce_in(None).hook and inner.hook not in COMPRESS_HOOKS.values():
+            raise ConfigError(f"sync policy {self.name!r} all-reduces through a comm hook of its "
+                              "own, which sharded engines (fsdp, hsdp) cannot run: use "
+                              "trainer.engine=torch_ddp")
+        return {n: ShardedSync(wire=inner.wire_dtype) for n in names}
 
     def use_shared_memory(self, slots: SharedSlots) -> None:
         """The run's CPU ranks all-reduce through shared memory (sync/shm_allreduce.py): a

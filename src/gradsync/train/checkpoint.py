@@ -5,6 +5,10 @@ leaves a torn file under the final name; readable with ``torch.load(weights_only
 after it and holds its size, sha256, step and config. A checkpoint is complete when both exist
 and intact when the digest matches: torch.load notices a truncated file but not flipped bytes
 inside a tensor. ``last.pt`` is a hard link to the newest checkpoint of the run.
+
+A sharded engine's checkpoint (trainer.engine=fsdp|hsdp; train/sharded_checkpoint.py) is a
+directory ``step_<step>.dcp`` that every rank writes its part of; its sidecar lists every file
+with its size and sha256, and the run's ``last.pt`` is a consolidated file of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.train.files import replacing
 from gradsync.train.metrics import write_json_atomic
 from gradsync.train.repro import config_hash
@@ -73,6 +78,37 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+SHARDED_SUFFIX = ".dcp"  # a sharded checkpoint: a directory
+
+
+def is_sharded(path: Path) -> bool:
+    return path.suffix == SHARDED_SUFFIX
+
+
+def sharded_files(path: Path) -> dict[str, Path]:
+    """The files of a sharded checkpoint, by their path inside it."""
+    return {str(f.relative_to(path)): f for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def digest(path: Path) -> tuple[int, str, dict[str, list[Any]] | None]:
+    """(bytes, sha256, files) of a checkpoint: a file's own; a sharded checkpoint's total bytes,
+    the sha256 of its per-file digests and every file's [bytes, sha256]."""
+    if not is_sharded(path):
+        return path.stat().st_size, sha256_file(path), None
+    files: dict[str, list[Any]] = {rel: [f.stat().st_size, sha256_file(f)]
+                                   for rel, f in sharded_files(path).items()}
+    listing = "".join(f"{rel} {size} {sha}\n" for rel, (size, sha) in files.items())
+    return (sum(int(size) for size, _ in files.values()),
+            hashlib.sha256(listing.encode()).hexdigest(), files)
+
+
+def remove(path: Path) -> None:
+    if is_sharded(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -89,14 +125,22 @@ def write(state: dict[str, Any], ckpt_dir: Path, keep: int) -> Path:
     """Write one step's checkpoint and its sidecar, then drop all but the newest `keep`."""
     path = step_path(ckpt_dir, state["step"])
     save_atomic(state, path)
-    meta = {"file": path.name, "step": state["step"], "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "world_size": state["world_size"],
-            "config_hash": state["config_hash"], "config": state["config"]}
+    return seal(path, state, keep)
+
+
+def seal(path: Path, state: dict[str, Any], keep: int, **extra: Any) -> Path:
+    """A written checkpoint (a file, or a sharded checkpoint's directory, under its final name)
+    made complete: its sidecar, then all but the newest `keep` dropped. extra: what else the
+    sidecar records."""
+    size, sha, files = digest(path)
+    meta = {"file": path.name, "step": state["step"], "bytes": size, "sha256": sha,
+            "world_size": state["world_size"], "config_hash": state["config_hash"],
+            "config": state["config"]} | ({"files": files} if files else {}) | extra
     write_json_atomic(path.with_suffix(".json"), meta)
-    _fsync_dir(ckpt_dir)
-    for old in complete(ckpt_dir)[keep:]:
+    _fsync_dir(path.parent)
+    for old in complete(path.parent)[keep:]:
         old.with_suffix(".json").unlink()  # incomplete first: never a .json without its .pt
-        old.unlink(missing_ok=True)
+        remove(old)
     return path
 
 
@@ -116,9 +160,11 @@ def link_last(path: Path) -> None:
 
 
 def complete(ckpt_dir: Path) -> list[Path]:
-    """Checkpoints with their sidecar, newest first."""
-    found = [p for p in ckpt_dir.glob("step_*.pt") if p.with_suffix(".json").exists()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    """Checkpoints with their sidecar (files, or sharded checkpoints' directories), newest
+    first."""
+    found = [p for pattern in ("step_*.pt", f"step_*{SHARDED_SUFFIX}")
+             for p in ckpt_dir.glob(pattern) if p.with_suffix(".json").exists()]
+    return sorted(found, key=lambda p: p.stem, reverse=True)
 
 
 # what write() puts in a sidecar and resuming reads: a sidecar without them is corrupt
@@ -129,8 +175,9 @@ SIDECAR = {"step": int, "bytes": int, "sha256": str, "world_size": int, "config_
 def verify(path: Path) -> dict[str, Any]:
     """The sidecar of an intact checkpoint; ResumeError saying what is wrong otherwise."""
     side = path.with_suffix(".json")
-    if not path.is_file():
-        raise ResumeError(f"{path}: no such checkpoint file")
+    if not (path.is_dir() if is_sharded(path) else path.is_file()):
+        kind = "directory" if is_sharded(path) else "file"
+        raise ResumeError(f"{path}: no such checkpoint {kind}")
     try:
         meta = json.loads(side.read_text())
     except (OSError, ValueError):
@@ -142,13 +189,30 @@ def verify(path: Path) -> dict[str, Any]:
     if wrong:
         raise ResumeError(f"{path}: corrupt checkpoint ({side.name} lacks a valid "
                           f"{', '.join(wrong)})")
-    size = path.stat().st_size
+    if is_sharded(path):
+        verify_files(path, meta)
+    size = path.stat().st_size if not is_sharded(path) else sum(
+        f.stat().st_size for f in sharded_files(path).values())
     if size != meta["bytes"]:
         raise ResumeError(f"{path}: truncated or corrupt checkpoint ({size} bytes, "
                           f"{meta['bytes']} written)")
-    if sha256_file(path) != meta["sha256"]:
+    if digest(path)[1] != meta["sha256"]:
         raise ResumeError(f"{path}: corrupt checkpoint (sha256 differs from the one written)")
     return meta
+
+
+def verify_files(path: Path, meta: dict[str, Any]) -> None:
+    """A sharded checkpoint holds every file its sidecar lists, each of the size written."""
+    listed = meta.get("files")
+    if not isinstance(listed, dict) or not listed:
+        raise ResumeError(f"{path}: corrupt checkpoint ({path.with_suffix('.json').name} lists "
+                          "no files)")
+    present = sharded_files(path)
+    for rel, entry in listed.items():
+        if rel not in present:
+            raise ResumeError(f"{path}: incomplete checkpoint ({rel} missing)")
+        if not isinstance(entry, list) or present[rel].stat().st_size != entry[0]:
+            raise ResumeError(f"{path}: truncated or corrupt checkpoint ({rel})")
 
 
 def newest_intact(ckpt_dir: Path, notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
@@ -175,7 +239,7 @@ def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: 
                               "pass resume=auto to continue it, or choose another "
                               "hydra.run.dir")
         return None
-    if resume == "auto" or Path(resume).is_dir():
+    if resume == "auto" or (Path(resume).is_dir() and not is_sharded(Path(resume))):
         where = own if resume == "auto" else Path(resume)
         if (where / CKPT_DIR).is_dir():
             where = where / CKPT_DIR
@@ -201,6 +265,46 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world: int,
+                   new_window: int, new_world: int) -> tuple[int, int] | None:
+    """Where a checkpoint stands in its epoch, as the windows of new_window micro-batches on
+    new_world ranks cut it: (epoch, windows done). Every rank's window k holds the global sample
+    positions [k W N m, (k+1) W N m) of the epoch (data/bundle.py train_loader: the same global
+    order on any world size), so the position carries over when the samples consumed are a
+    whole number of the new windows. None when they are not."""
+    from gradsync.config.schema import RunConfig
+    from gradsync.train.schedules import build_schedule
+
+    epoch, done = progress["epoch"], progress["epoch_step"]
+    old = RunConfig.from_plain(old_cfg)
+    micro = old.micro_batch_size
+    old_window = build_schedule(old.schedule, old_world, micro).accum_steps(epoch)
+    consumed = done * old_window * micro * old_world
+    window = new_window * micro * new_world
+    return (epoch, consumed // window) if consumed % window == 0 else None
+
+
+def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
+                      world_size: int) -> None:
+    """A sharded checkpoint resumes at another world size (torch.distributed.checkpoint
+    reshards) where its position in the epoch is a window boundary there too."""
+    if not isinstance(meta.get("progress"), dict):
+        raise ResumeError(f"{path}: corrupt checkpoint (its sidecar lacks a valid progress)")
+    from gradsync.config.schema import RunConfig
+    from gradsync.train.schedules import build_schedule
+
+    run = RunConfig.from_plain(cfg)
+    window = build_schedule(run.schedule, world_size, run.micro_batch_size).accum_steps(
+        meta["progress"]["epoch"])
+    if epoch_position(meta["progress"], meta["config"], meta["world_size"], window,
+                      world_size) is None:
+        p = meta["progress"]
+        raise ResumeError(f"{path} stopped after window {p['epoch_step']} of epoch {p['epoch']} "
+                          f"on {meta['world_size']} ranks, which is not a window boundary on "
+                          f"{world_size} ranks; resume from a checkpoint at an epoch's start, or "
+                          "keep the global batch (schedule=global_batch)")
+
+
 # Whatever a checkpoint's state depends on: only trainer.* (more steps or epochs, cadences,
 # threads...) may change, and the world size may not (each rank's data share and RNG stream).
 MAY_CHANGE = ("trainer.", "resume")
@@ -208,9 +312,16 @@ MAY_CHANGE = ("trainer.", "resume")
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
                         world_size: int) -> None:
+    engine = cfg["trainer"]["engine"]
+    if is_sharded(path) != (engine in SHARDED_ENGINES):
+        kind = "a sharded checkpoint (fsdp, hsdp)" if is_sharded(path) else \
+            "a replicated model's checkpoint"
+        raise ResumeError(f"{path} is {kind}; this run has trainer.engine={engine}")
     if meta["world_size"] != world_size:
-        raise ResumeError(f"{path} was written by {meta['world_size']} "
-                          f"processes, this run has {world_size}")
+        if not is_sharded(path):
+            raise ResumeError(f"{path} was written by {meta['world_size']} "
+                              f"processes, this run has {world_size}")
+        refuse_misaligned(path, meta, cfg, world_size)
     if meta["config_hash"] == config_hash(cfg):
         return
     old = _flatten(meta["config"])

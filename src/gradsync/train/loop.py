@@ -257,7 +257,8 @@ class StepLog:
             "train/loss": last["loss"], "train/lr": last["lr"], "perf/samples_per_s": sps,
             "train/accum_steps": last["accum_steps"], "comm/sync_backwards": c.sync_backwards,
             "comm/allreduce_calls": c.allreduce_calls, "comm/allreduce_bytes": c.allreduce_bytes,
-        } | {f"comm/bytes/{g}": nbytes for g, (_, nbytes) in c.groups.items()}
+        } | {f"comm/bytes/{g}": nbytes for g, (_, nbytes) in c.groups.items()} \
+          | c.sharded_scalars() | self.p.engine.memory.scalars()
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
         if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json

@@ -112,7 +112,9 @@ class RunLog:
 
 def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The numbers runs are compared by: a sweep's summary columns and TensorBoard's HParams
-    metrics. Per-rank counters are rank 0's (every rank joins every all-reduce)."""
+    metrics. Per-rank counters are rank 0's (every rank joins every all-reduce); the bytes per
+    optimizer step add rank 0's all-reduce, reduce-scatter and all-gather bytes; gradient and
+    peak memory are the largest rank's."""
     out = {"final_train_loss": summary["final_train_loss"]}
     out |= {f"eval_{k}": v for k, v in sorted(summary["eval"].items())}
     out |= {"samples_per_s": summary["samples_per_s"],
@@ -122,6 +124,18 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
             "peak_rss_mb": summary["peak_rss_mb"]}
     for rank, mb in enumerate(summary.get("peak_gpu_mem_mb") or []):
         out[f"peak_gpu_mem_mb_rank{rank}"] = mb
+    if "reduce_scatter_bytes" in summary:  # a sharded engine
+        out |= {k: summary[k][0] for k in ("reduce_scatter_bytes", "all_gather_bytes")}
+    if "memory" in summary:
+        mem = summary["memory"]
+        steps = summary.get("optimizer_steps") or 0
+        moved = summary["allreduce_bytes"][0] + summary.get("reduce_scatter_bytes", [0])[0] \
+            + summary.get("all_gather_bytes", [0])[0]
+        out |= {"comm_bytes_per_step": moved / steps if steps else 0.0,
+                "grad_held_bytes": max(mem["grad_held_bytes"])}
+        peaks = [mb for mb in mem["peak_mb"] if mb is not None]
+        if peaks:
+            out["peak_mem_mb"] = max(peaks)
     out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift") if k in summary}
     return out
 

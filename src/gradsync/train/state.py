@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gradsync.run.ranks import is_rank0
 from gradsync.train.loop import Parts, Progress
-from gradsync.train.repro import config_hash
+from gradsync.train.repro import config_hash, derive_seed, seed_rank
 
 
 def to_cpu(tree: Any) -> Any:
@@ -48,11 +48,12 @@ def to_cpu(tree: Any) -> Any:
     return out
 
 
-def components(p: Parts) -> dict[str, Any]:
+def components(p: Parts, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """skip: components kept elsewhere (a sharded engine's model and optimizer)."""
     candidates = {"model": p.engine, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
                   "policy": p.policy, "schedule": p.schedule}
-    return {k: v for k, v in candidates.items() if hasattr(v, "state_dict")}
+    return {k: v for k, v in candidates.items() if hasattr(v, "state_dict") and k not in skip}
 
 
 def rank_counters(p: Parts) -> dict[str, Any]:
@@ -98,8 +99,10 @@ def set_rng_state(s: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(s["cuda"][0], device)
 
 
-def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[str, Any] | None:
-    """Collective (every rank calls it): the state to save on rank 0, None elsewhere."""
+def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any,
+            skip: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """Collective (every rank calls it): the state to save on rank 0, None elsewhere; without
+    the components in `skip` (a sharded checkpoint keeps the model and optimizer itself)."""
     mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
     own = own_replicas(p)
@@ -116,7 +119,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
         return None
     assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none
-    out = {name: to_cpu(obj.state_dict()) for name, obj in components(p).items()}
+    out = {name: to_cpu(obj.state_dict()) for name, obj in components(p, skip).items()}
     if own and not p.policy.replicas_in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
@@ -124,12 +127,19 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any) -> dict[
     return out
 
 
-def restore(p: Parts, ckpt: dict[str, Any], rank: int) -> Progress:
-    """Load a checkpoint into freshly built parts; returns the Progress to continue from."""
-    for name, obj in components(p).items():
+def restore(p: Parts, ckpt: dict[str, Any], rank: int,
+            skip: tuple[str, ...] = ()) -> Progress:
+    """Load a checkpoint into freshly built parts (but the components in `skip`); returns the
+    Progress to continue from. A checkpoint of another world size (a sharded one: DCP
+    reshards) has no part for this rank: its counters start from zero and its RNG streams are
+    drawn afresh from (seed, optimizer step, rank)."""
+    for name, obj in components(p, skip).items():
         obj.load_state_dict(ckpt[name])
     known = {f.name for f in fields(Progress)}
     state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
+    if ckpt["world_size"] != p.world_size:
+        seed_rank(derive_seed(ckpt["config"]["seed"], state.step), rank)
+        return state
     mine = ckpt["ranks"][rank]
     parts = components(p)
     for name, own in mine.get("own", {}).items():

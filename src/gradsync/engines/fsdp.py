@@ -1,0 +1,404 @@
+"""trainer.engine=fsdp and trainer.engine=hsdp: FSDP2, torch's ``fully_shard``.
+
+Every rank holds a shard of each parameter (dim 0, padded to a multiple of the shard group). The
+model is cut into *units*, each one ``fully_shard`` call (``trainer.fsdp_units``: a glob over
+module names; ``auto``: the model's own choice, each transformer block, each hidden layer of
+the MLP; the root is always the last unit and keeps what no other unit took). A unit's
+parameters are all-gathered before its forward (and again before its backward), and its
+gradients reduce-scattered after its backward: one collective per unit. ``hsdp`` shards inside
+groups of ``world / trainer.replicas`` ranks and replicates across ``trainer.replicas`` such
+groups (a 2-D mesh): after the reduce-scatter, the shards are all-reduced across replicas.
+
+The sync policy's decision for a micro-batch becomes each unit's
+``set_requires_gradient_sync`` / ``set_requires_all_reduce``, per unit in the flavour its
+parameters' rule asks for (sync.reduce_scatter, sync.replica_all_reduce, sync.groups; sync/comm.py
+``ShardedSync``): ``boundary`` keeps the gradients unsharded (the whole gradient, on every rank)
+until the synchronising micro-batch, ``every`` reduce-scatters after every backward and keeps
+only the shard. The policy's wire dtype is the unit's ``MixedPrecisionPolicy.reduce_dtype``;
+precision=bf16 computes with bf16 parameters (``param_dtype``), the optimizer steps the fp32
+shards.
+
+Counted exactly, per group: every reduce-scatter and all-gather FSDP issues (its collectives
+wrapped: ``set_custom_reduce_scatter`` / ``set_custom_all_gather``, bytes of the whole padded
+tensor) and every all-reduce across replicas (``set_all_reduce_hook``); a collective over a
+group of one rank moves nothing and is not counted. The gradient bytes each rank holds after
+every backward are counted from FSDP's own tensors (train/memory.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.components import ConfigError, require
+from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.engines.trace import SyncTrace
+from gradsync.sync.comm import CommCounts, ShardedSync
+from gradsync.sync.policy import SyncPolicy
+from gradsync.torch_compat import fsdp_param_groups
+from gradsync.train.memory import MemoryMeter, storage_bytes
+
+AUTO_UNITS = "auto"
+# the attribute a model names its default units with (globs over module names); none: the
+# root is the only unit
+UNITS_ATTRIBUTE = "fsdp_units"
+
+
+# --- which modules become units ---------------------------------------------------------------
+def unit_globs(model: nn.Module, rule: str) -> list[str]:
+    """trainer.fsdp_units as globs ('|' between alternatives); auto: the model's own."""
+    if rule == AUTO_UNITS:
+        return list(getattr(model, UNITS_ATTRIBUTE, ()))
+    return [g.strip() for g in rule.split("|") if g.strip()]
+
+
+def unit_names(model: nn.Module, rule: str) -> list[str]:
+    """The modules that become units, innermost first, the root ('') last. For each glob, the
+    outermost modules whose name it matches ('blocks.*' takes blocks.0, not blocks.0.mlp);
+    ConfigError for a glob that matches no module, naming the closest."""
+    names = [n for n, _ in model.named_modules() if n]
+    chosen: set[str] = set()
+    for glob in unit_globs(model, rule):
+        hits = [n for n in names if fnmatchcase(n, glob)]
+        if not hits:
+            raise ConfigError(f"trainer.fsdp_units={rule!r}: {glob!r} matches no module of the "
+                              f"model; its modules: {', '.join(names[:24])}"
+                              f"{' ...' if len(names) > 24 else ''}")
+        chosen |= {n for n in hits if not any(n.startswith(f"{h}.") for h in hits)}
+    return sorted(chosen, key=lambda n: (-n.count("."), names.index(n))) + [""]
+
+
+def unit_parameters(model: nn.Module, units: list[str]) -> dict[str, list[str]]:
+    """Each unit's own parameters (names): those of its module that no inner unit took, as
+    fully_shard assigns them."""
+    taken: set[str] = set()
+    out: dict[str, list[str]] = {}
+    for unit in units:
+        prefix = f"{unit}." if unit else ""
+        module = model.get_submodule(unit)
+        own = [prefix + n for n, _ in module.named_parameters()]
+        out[unit] = [n for n in own if n not in taken]
+        taken |= set(own)
+    return out
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str  # module name ('' for the root)
+    params: list[str]
+    sync: ShardedSync  # what its parameters' rule asks for (all alike)
+    numel: int
+    nbytes: int
+
+
+def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan]:
+    """The units, their parameters and how each reduces its gradients; ConfigError where one
+    unit's parameters fall under rules that ask for different reductions (one unit is one
+    reduce-scatter)."""
+    units = unit_names(model, rule)
+    owned = unit_parameters(model, units)
+    params = dict(model.named_parameters())
+    plan = policy.sharded_sync(list(params))
+    out = []
+    for unit in units:
+        names = owned[unit]
+        kinds = {plan[n] for n in names}
+        if len(kinds) > 1:
+            groups = sorted({k.group for k in kinds})
+            raise ConfigError(f"sync.groups: FSDP unit {unit or '<root>'!r} holds parameters of "
+                              f"groups {', '.join(map(repr, groups))} that reduce differently; "
+                              "a unit's gradients go out in one reduce-scatter: make the rules "
+                              "follow the units (trainer.fsdp_units; +inspect=params shows "
+                              "them)")
+        numel = sum(params[n].numel() for n in names)
+        nbytes = sum(params[n].numel() * params[n].element_size() for n in names)
+        out.append(UnitPlan(unit, names, kinds.pop() if kinds else ShardedSync(), numel,
+                            nbytes))
+    return out
+
+
+def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> str:
+    """+inspect=params under a sharded engine: each unit, its parameters and reduction."""
+    lines = ["FSDP units (trainer.fsdp_units), innermost first:"]
+    for u in plan_units(model, rule, policy):
+        wire = str(u.sync.wire).removeprefix("torch.") if u.sync.wire else "the gradients' dtype"
+        replicas = f", replica_all_reduce={u.sync.replica_all_reduce}" if hsdp else ""
+        lines.append(f"  {u.name or '<root>'}: {len(u.params)} tensors, {u.nbytes} bytes, group "
+                     f"{u.sync.group}, reduce_scatter={u.sync.reduce_scatter}{replicas}, "
+                     f"reduced in {wire}")
+    return "\n".join(lines)
+
+
+# --- checks before any worker starts ----------------------------------------------------------
+def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision: str,
+                 world_size: int, policy: Callable[[], SyncPolicy],
+                 model: Callable[[], nn.Module]) -> None:
+    """What a sharded engine cannot run, and the sharded-only settings on another engine, as
+    one-line ConfigErrors. policy/model: build the run's policy and (meta) model when asked."""
+    rules = sync_args.get("groups") or []
+    defaults = {"reduce_scatter": "boundary", "replica_all_reduce": None}
+    flavours = [f"sync.{k}={sync_args[k]}" for k, default in defaults.items()
+                if sync_args.get(k, default) != default]
+    flavours += [f"sync.groups[{i}].{k}" for i, r in enumerate(rules) if isinstance(r, dict)
+                 for k in ("reduce_scatter", "replica_all_reduce") if r.get(k) is not None]
+    if engine not in SHARDED_ENGINES:
+        if flavours:
+            raise ConfigError(f"{flavours[0]} is for sharded engines: set trainer.engine=fsdp or "
+                              f"hsdp (trainer.engine={engine} all-reduces whole gradients)")
+        if trainer.fsdp_units != AUTO_UNITS:
+            raise ConfigError(f"trainer.fsdp_units is for sharded engines: set trainer.engine="
+                              f"fsdp or hsdp (trainer.engine={engine})")
+        if trainer.replicas != 0:
+            raise ConfigError(f"trainer.replicas is the replicate dimension of trainer.engine="
+                              f"hsdp (trainer.engine={engine})")
+        return
+    where = f"trainer.engine={engine}"
+    if precision == "fp16":
+        raise ConfigError(f"precision=fp16 with {where}: the GradScaler would see only each "
+                          "rank's shard of the gradients; use bf16 (FSDP's MixedPrecisionPolicy)")
+    if trainer.check_replicas:
+        raise ConfigError(f"trainer.check_replicas with {where}: ranks hold different shards by "
+                          "design; set trainer.check_replicas=0")
+    if trainer.allreduce == "shared_memory":
+        raise ConfigError(f"trainer.allreduce=shared_memory with {where}: FSDP reduce-scatters "
+                          "through the process group; use auto or process_group")
+    if engine == "fsdp":
+        if trainer.replicas != 0:
+            raise ConfigError("trainer.replicas is the replicate dimension of trainer.engine="
+                              "hsdp; trainer.engine=fsdp shards over every rank")
+        ar = [f for f in flavours if "replica_all_reduce" in f]
+        if ar:
+            raise ConfigError(f"{ar[0]} is for trainer.engine=hsdp (the all-reduce across "
+                              "replicas); trainer.engine=fsdp has one shard group")
+    else:
+        require(isinstance(trainer.replicas, int) and trainer.replicas >= 0
+                and (trainer.replicas == 0 or world_size % trainer.replicas == 0),
+                "trainer.replicas", f"0 (one replica per node) or a divisor of the world size "
+                f"{world_size}", trainer.replicas)
+    for i, r in enumerate(rules):
+        if isinstance(r, dict) and r.get("every") is not None:
+            raise ConfigError(f"sync.groups[{i}].every with {where}: a group averaged every K "
+                              "windows keeps each rank's own replica, which a sharded model has "
+                              "not; use trainer.engine=torch_ddp")
+    built = policy()
+    if built.syncs_parameters:
+        raise ConfigError(f"sync policy {built.name!r} averages whole models (local SGD, "
+                          f"DiLoCo), which {where} does not hold on any rank; use "
+                          "trainer.engine=torch_ddp")
+    plan_units(model(), trainer.fsdp_units, built)
+
+
+# --- the engine ---------------------------------------------------------------------------------
+def _collectives() -> tuple[type, type]:
+    """FSDP's default reduce-scatter and all-gather, counted (torch >= 2.11 lets a unit swap
+    them: set_custom_reduce_scatter / set_custom_all_gather)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    class CountedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
+        def __init__(self, counts: CommCounts, group: str):
+            self.counts, self.group = counts, group
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+            self.counts.add_collective("reduce_scatter", self.group,
+                                       input_tensor.numel() * input_tensor.element_size())
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    class CountedAllGather(DefaultAllGather):  # type: ignore[misc]
+        def __init__(self, counts: CommCounts, group: str):
+            self.counts, self.group = counts, group
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False) -> Any:
+            self.counts.add_collective("all_gather", self.group,
+                                       output_tensor.numel() * output_tensor.element_size())
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return CountedReduceScatter, CountedAllGather
+
+
+@dataclass
+class Unit:
+    plan: UnitPlan
+    module: Any  # the FSDPModule
+    reduce_dtype: torch.dtype | None  # its MixedPrecisionPolicy's (None: the gradients')
+
+
+class FSDPEngine:
+    """The engine around a model already cut into fully_shard units."""
+
+    transport = "process_group"
+
+    def __init__(self, name: str, model: nn.Module, units: list[Unit], mesh: dict[str, int],
+                 counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None):
+        self.name = name
+        self.module = model
+        self.units = units
+        self.mesh = mesh  # {"replicate": r, "shard": s}
+        self.counts = counts
+        self.memory = memory
+        self.trace: SyncTrace | None = None  # trainer.trace_sync: the DDP engines only
+        self.param_dtype = param_dtype
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.module(*inputs)
+
+    @contextmanager
+    def micro_batch(self, sync: bool) -> Iterator[None]:
+        hsdp = self.name == "hsdp"
+        for u in self.units:
+            u.module.set_requires_gradient_sync(sync or u.plan.sync.reduce_scatter == "every",
+                                                recurse=False)
+            if hsdp:  # after the line above, which sets both
+                u.module.set_requires_all_reduce(
+                    sync or u.plan.sync.replica_all_reduce == "every", recurse=False)
+        yield
+        if sync:
+            self.counts.sync_backwards += 1
+        self.memory.record(*self.gradient_bytes())
+
+    def gradient_bytes(self) -> tuple[int, int]:
+        """(unsharded, sharded) bytes of the gradients this rank holds now, from FSDP's own
+        tensors: a unit's unsharded gradients (accumulating between synchronising micro-batches,
+        in the reduce dtype once FSDP upcast them), its sharded gradients (views into one flat
+        buffer per unit) and, on HSDP, the reduce-scattered shards waiting for the all-reduce
+        across replicas."""
+        unsharded: list[torch.Tensor | None] = []
+        sharded: list[torch.Tensor | None] = []
+        for u in self.units:
+            for group in fsdp_param_groups(u.module):
+                sharded.append(getattr(group, "_partial_reduce_output", None))
+                for fp in group.fsdp_params:
+                    whole = getattr(fp, "_unsharded_param", None)
+                    unsharded += [None if whole is None else whole.grad,
+                                  fp.unsharded_accumulated_grad]
+                    grad = fp.sharded_param.grad
+                    sharded.append(None if grad is None else grad._local_tensor)
+        return storage_bytes(unsharded), storage_bytes(sharded)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's sharded state (DTensors, the module's parameter names): what
+        torch.distributed.checkpoint saves, each rank its shards."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the whole model's state on rank 0's CPU (empty elsewhere), the names and
+        shapes of the unsharded model (checkpoints/last.pt)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "transport": self.transport, "mesh": self.mesh,
+                "param_dtype": _dtype_name(self.param_dtype),
+                "units": [{"name": u.plan.name or "<root>", "tensors": len(u.plan.params),
+                           "bytes": u.plan.nbytes, "group": u.plan.sync.group,
+                           "reduce_scatter": u.plan.sync.reduce_scatter,
+                           "replica_all_reduce": u.plan.sync.replica_all_reduce,
+                           "reduce_dtype": _dtype_name(u.reduce_dtype)} for u in self.units]}
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    """None: the parameters' own (fp32)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _count_all_reduce(counts: CommCounts, group: str) -> Callable[[torch.Tensor], None]:
+    """HSDP's all-reduce hook: called with the all-reduced shard after each all-reduce across
+    replicas (FSDP skips it while replica_all_reduce waits for the boundary)."""
+    def hook(reduced: torch.Tensor) -> None:
+        counts.add_collective("all_reduce", group, reduced.numel() * reduced.element_size())
+
+    return hook
+
+
+def _hosts() -> int:
+    """The number of hosts the ranks run on (trainer.replicas=0: one replica per host)."""
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return len(set(names))
+
+
+def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device,
+           world_size: int, counts: CommCounts, memory: MemoryMeter | None, precision: str,
+           fsdp_units: str, replicas: int) -> FSDPEngine:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    memory = memory if memory is not None else MemoryMeter(device)
+    # torch 2.13 warns once per process when a unit's forward returns a view (a Linear on a
+    # 3-D input does); the loop never modifies a forward's output in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    if policy.bind(model):
+        raise ConfigError("a sync policy that averages parameter groups itself cannot run on "
+                          f"trainer.engine={name}")
+    plan = plan_units(model, fsdp_units, policy)
+    if name == "hsdp":
+        replicate = replicas or _hosts()
+        if world_size % replicate:
+            raise ConfigError(f"trainer.engine=hsdp: {replicate} replicas do not divide the "
+                              f"{world_size} ranks evenly; set trainer.replicas")
+        mesh = init_device_mesh(device.type, (replicate, world_size // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        replicate = 1
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    param_dtype = torch.bfloat16 if precision == "bf16" else None
+    reduce_scatter, all_gather = _collectives()
+    units = []
+    for u in plan:  # innermost first: fully_shard is applied bottom-up
+        # with bf16 parameters, reduce in fp32 unless the policy's wire is lower
+        reduce_dtype = u.sync.wire or (torch.float32 if param_dtype else None)
+        module = fully_shard(model.get_submodule(u.name), mesh=mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        module.set_custom_reduce_scatter(reduce_scatter(counts, u.sync.group))
+        module.set_custom_all_gather(all_gather(counts, u.sync.group))
+        if name == "hsdp" and replicate > 1:
+            module.set_all_reduce_hook(_count_all_reduce(counts, u.sync.group))
+        units.append(Unit(u, module, reduce_dtype))
+    return FSDPEngine(name, model, units, {"replicate": replicate,
+                                           "shard": world_size // replicate}, counts, memory,
+                      param_dtype)
+
+
+def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
+               counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
+               fsdp_units: str = AUTO_UNITS) -> FSDPEngine:
+    """FSDP over every rank (a 1-D mesh)."""
+    return _build("fsdp", model, policy, device, world_size, counts, memory, precision,
+                  fsdp_units, 1)
+
+
+def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
+               counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
+               fsdp_units: str = AUTO_UNITS, replicas: int = 0) -> FSDPEngine:
+    """HSDP: shard inside world / replicas ranks, replicate across `replicas` (0: one per
+    host) such groups (a 2-D mesh)."""
+    return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
+                  fsdp_units, replicas)

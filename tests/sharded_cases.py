@@ -1,0 +1,50 @@
+"""Functions the sharded-engine tests (test_sharded.py) run on every rank of the pool
+(dist_pool.py): the worker's real run_training on the pool's gloo group with
+trainer.engine=fsdp|hsdp, and what they read back (summary, consolidated model, TensorBoard)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import dist_cases
+from gradsync.train import checkpoint
+
+
+def tb_scalars(run_dir: Path, prefixes: tuple[str, ...] = ("comm/", "mem/")) -> dict:
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"] if tag.startswith(prefixes)}
+
+
+def run(cfg: dict, run_dir: str, tb: bool = False) -> dict:
+    """run_training (resume resolved as the job does); rank 0 returns the summary, the
+    consolidated model of checkpoints/last.pt, metrics.jsonl's rows and (tb) the comm/ and mem/
+    scalars; every rank its summary."""
+    summary, rows = dist_cases.run_training_with(lambda p: p, cfg, run_dir)
+    out: dict = {"summary": summary}
+    if dist.get_rank() == 0:
+        out["rows"] = rows
+        last = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")
+        out["params"] = last["model"]
+        out["last_keys"] = sorted(last)
+        if tb:
+            out["tb"] = tb_scalars(Path(run_dir))
+    return out
+
+
+def initial_model(cfg: dict) -> dict[str, torch.Tensor]:
+    """The model every run of `cfg` starts from, as the worker builds it (the run seed)."""
+    from gradsync.components import build
+    from gradsync.config.schema import RunConfig
+    from gradsync.train.repro import seed_everything
+
+    run_cfg = RunConfig.from_plain(cfg)
+    seed_everything(run_cfg.seed)
+    data = build(run_cfg.data.node, {"seed": run_cfg.seed})
+    model = build(run_cfg.model.node, data.sizes)
+    return {k: v.detach() for k, v in model.state_dict().items()}
