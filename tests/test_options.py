@@ -65,6 +65,11 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.check_replicas"): [-1],
     ("", "trainer.fail_at_step"): [0, -2],
     ("", "trainer.requeue"): "true or false: both are choices",
+    ("", "trainer.find_unused_parameters"): "true or false: both are choices",
+    ("", "trainer.trace_sync"): "true or false: both are choices",
+    # sharded engines' settings: refused on the DDP engines, checked against the model there
+    ("", "trainer.fsdp_units"): ["", "nope*", "0"],
+    ("", "trainer.replicas"): [-1, 5],
     # --- schedule, precision, loss ----------------------------------------------------------
     ("schedule=constant", "schedule.name"): ["linear", ""],
     ("schedule=constant", "schedule.accum_steps"): [0, -1],
@@ -123,6 +128,10 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("sync=amp_aware", "sync.powersgd_rank"): [0],
     ("sync=amp_aware", "sync.powersgd_start_step"): [1],
     ("sync=amp_aware", "sync.groups"): [[5], [{"params": "nope*"}]],
+    ("sync=accumulate", "sync.reduce_scatter"): ["nope", "", "every"],
+    ("sync=accumulate", "sync.replica_all_reduce"): ["nope", "", "every", "boundary"],
+    ("sync=amp_aware", "sync.reduce_scatter"): ["nope", ""],
+    ("sync=amp_aware", "sync.replica_all_reduce"): ["nope", ""],
     ("sync=local_sgd", "sync.every"): [0, -1],
     ("sync=local_sgd", "sync.warmup_steps"): [-1],
     ("sync=local_sgd", "sync.comm_dtype"): ["fp16", "int8"],

@@ -145,7 +145,7 @@ def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision
     """What a sharded engine cannot run, and the sharded-only settings on another engine, as
     one-line ConfigErrors. policy/model: build the run's policy and (meta) model when asked."""
     rules = sync_args.get("groups") or []
-    defaults = {"reduce_scatter": "boundary", "replica_all_reduce": None}
+    defaults = {"reduce_scatter": "boundary", "replica_all_reduce": "same"}
     flavours = [f"sync.{k}={sync_args[k]}" for k, default in defaults.items()
                 if sync_args.get(k, default) != default]
     flavours += [f"sync.groups[{i}].{k}" for i, r in enumerate(rules) if isinstance(r, dict)

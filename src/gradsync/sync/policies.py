@@ -128,13 +128,16 @@ def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
                           "use trainer.allreduce=auto or process_group")
 
 
+AS_REDUCE_SCATTER = "same"  # sync.replica_all_reduce's default: the flavour of reduce_scatter
+
+
 def _check_sharded(a: dict[str, Any]) -> None:
     """The flavours of a sharded engine's accumulation (docs/sharded.md); which engine runs
     them is checked with the engine's other settings (engines/fsdp.py check_config)."""
     require(a["reduce_scatter"] in FLAVOURS, "sync.reduce_scatter", f"one of {', '.join(FLAVOURS)}",
             a["reduce_scatter"])
-    require(a["replica_all_reduce"] is None or a["replica_all_reduce"] in FLAVOURS,
-            "sync.replica_all_reduce", f"null (as sync.reduce_scatter) or one of "
+    require(a["replica_all_reduce"] in (AS_REDUCE_SCATTER, *FLAVOURS),
+            "sync.replica_all_reduce", f"{AS_REDUCE_SCATTER} (as sync.reduce_scatter) or one of "
             f"{', '.join(FLAVOURS)}", a["replica_all_reduce"])
     if a["reduce_scatter"] == "boundary" and a["replica_all_reduce"] == "every":
         raise ConfigError("sync.replica_all_reduce=every with sync.reduce_scatter=boundary: the "
@@ -171,7 +174,7 @@ class WindowSync(SyncPolicy):
     scaler's flags agreed at the window's end (`agreement`) even without it."""
 
     def __init__(self, wire: Compression, consensus: bool, uses_scaler: bool,
-                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None):
+                 reduce_scatter: str = "boundary", replica_all_reduce: str = AS_REDUCE_SCATTER):
         self.wire = wire
         # on a sharded engine: how units accumulate between synchronising micro-batches
         self.reduce_scatter, self.replica_all_reduce = reduce_scatter, replica_all_reduce
@@ -204,7 +207,9 @@ class WindowSync(SyncPolicy):
         return self.wire.comm_hook()
 
     def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
-        return self.wire.sharded_sync(names, self.reduce_scatter, self.replica_all_reduce)
+        replicas = (None if self.replica_all_reduce == AS_REDUCE_SCATTER
+                    else self.replica_all_reduce)
+        return self.wire.sharded_sync(names, self.reduce_scatter, replicas)
 
     def after_step(self, stepped: bool) -> None:
         self.wire.after_step(stepped)
@@ -239,7 +244,7 @@ class AccumulateSync(WindowSync):
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: Rules = (),
-                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None,
+                 reduce_scatter: str = "boundary", replica_all_reduce: str = AS_REDUCE_SCATTER,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         super().__init__(_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
                                counts), False, uses_scaler, reduce_scatter, replica_all_reduce)
@@ -255,7 +260,7 @@ class AmpAwareSync(WindowSync):
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, groups: Rules = (),
-                 reduce_scatter: str = "boundary", replica_all_reduce: str | None = None,
+                 reduce_scatter: str = "boundary", replica_all_reduce: str = AS_REDUCE_SCATTER,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
         super().__init__(_wire(compression, powersgd_rank, powersgd_start_step,
                                DTYPES[comm_dtype], groups, counts),
