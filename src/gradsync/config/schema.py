@@ -55,6 +55,10 @@ class TrainerConfig:
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
+    # the gradient noise scale, measured at every synchronising window (docs/noise-scale.md);
+    # also on whenever schedule=adaptive or lr_scaling=adascale needs it
+    noise_scale: bool = False
+    noise_scale_decay: float = 0.95  # of the exponential moving averages, per measured window
 
     def check(self, device_type: str) -> None:
         """device_type: where the ranks compute (the job's placement), cpu or cuda."""
@@ -74,6 +78,8 @@ class TrainerConfig:
                 self.engine)
         require(self.allreduce in ALLREDUCE, "trainer.allreduce",
                 f"one of {', '.join(ALLREDUCE)}", self.allreduce)
+        require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
+                "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
         if self.allreduce == "shared_memory" and device_type == "cuda":
             raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")
@@ -124,10 +130,61 @@ class GlobalBatchScheduleConfig:
                 f"{micro_batch_size} = {per_window}", gb)
 
 
-ScheduleConfig = ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
+@dataclass
+class AdaptiveScheduleConfig:
+    """N follows the measured gradient noise scale: the global batch is kept near scale x
+    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every` optimizer
+    steps (docs/noise-scale.md)."""
+
+    name: str = "adaptive"
+    scale: float = 1.0  # target global batch / B_simple
+    initial_accum_steps: int = 1  # until the first decision
+    min_accum_steps: int = 1
+    max_accum_steps: int = 16
+    every: int = 10  # optimizer steps between decisions: N changes at most this often
+
+    def check(self, world_size: int, micro_batch_size: int) -> None:
+        _at_least(self, "schedule", {"initial_accum_steps": 1, "min_accum_steps": 1,
+                                     "max_accum_steps": 1, "every": 1})
+        require(finite(self.scale) and self.scale > 0, "schedule.scale", "a finite number > 0",
+                self.scale)
+        require(self.min_accum_steps <= self.max_accum_steps, "schedule.max_accum_steps",
+                f"an integer >= schedule.min_accum_steps={self.min_accum_steps}",
+                self.max_accum_steps)
+        require(self.min_accum_steps <= self.initial_accum_steps <= self.max_accum_steps,
+                "schedule.initial_accum_steps", f"an integer in [{self.min_accum_steps}, "
+                f"{self.max_accum_steps}] (schedule.min/max_accum_steps)",
+                self.initial_accum_steps)
+        if world_size == 1:
+            require(self.min_accum_steps >= 2, "schedule.min_accum_steps",
+                    "an integer >= 2 on 1 rank (the noise scale is measured there from a "
+                    "window's first micro-batch and the whole window)", self.min_accum_steps)
+
+
+ScheduleConfig = (ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
+                  | AdaptiveScheduleConfig)
 SCHEDULES: dict[str, type] = {"constant": ConstantScheduleConfig,
                               "epochwise": EpochwiseScheduleConfig,
-                              "global_batch": GlobalBatchScheduleConfig}
+                              "global_batch": GlobalBatchScheduleConfig,
+                              "adaptive": AdaptiveScheduleConfig}
+LR_SCALINGS = ("none", "linear", "sqrt", "adascale")
+
+
+@dataclass
+class LRScalingConfig:
+    """How the learning rate follows the global batch (docs/noise-scale.md): none; linear or
+    sqrt in global batch / reference_batch; adascale (AdaScale's gain from the measured noise
+    scale, the LR schedule advanced by the gain)."""
+
+    name: str = "none"
+    # the global batch (samples) the optimizer's LR is set for; 0: the first window's,
+    # world size x data.micro_batch_size x the schedule's first N
+    reference_batch: int = 0
+
+    def check(self) -> None:
+        require(self.name in LR_SCALINGS, "lr_scaling.name", f"one of {', '.join(LR_SCALINGS)}",
+                self.name)
+        _at_least(self, "lr_scaling", {"reference_batch": 0})
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -221,6 +278,7 @@ class RunConfig:
     precision: PrecisionConfig
     trainer: TrainerConfig
     loss: LossConfig
+    lr_scaling: LRScalingConfig
     seed: int
     resume: str  # none, or the checkpoint to start from (the job resolves auto to a path)
 
@@ -237,12 +295,13 @@ class RunConfig:
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
                    loss=typed(LossConfig, plain["loss"]),
+                   lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
         out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
-        for group in ("schedule", "precision", "trainer", "loss"):
+        for group in ("schedule", "precision", "trainer", "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -254,5 +313,6 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
     "loss": {"default": LossConfig},
+    "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }
 TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "seed", "resume")  # a composed config's keys

@@ -31,6 +31,7 @@ from gradsync.config.schema import (
 )
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import model_parameters
+from gradsync.train import noise_scale
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
 
@@ -99,15 +100,15 @@ def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
     check_policy(cfg, world)
 
 
-def check_policy(cfg: RunConfig, world: int) -> None:
+def check_policy(cfg: RunConfig, world: int) -> Any:
     """The sync component builds a policy (sync/policy.py's contract: should_sync(micro_index,
-    window_size)); built here as a worker builds it, without a model."""
+    window_size)); built here as a worker builds it, without a model, and returned."""
     from gradsync.sync.comm import CommCounts
     from gradsync.sync.policy import as_policy
 
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
-    as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
+    return as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
 
 
 def check_optimizer(node: dict[str, Any]) -> None:
@@ -149,4 +150,6 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     check_components(plain, cfg, placement.world_size)
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)
+    cfg.lr_scaling.check()
+    noise_scale.check(cfg, placement.world_size)
     return cfg

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.sync.averaging import float_state
-from gradsync.sync.comm import CommCounts, install_counting_hook
+from gradsync.sync.comm import CommCounts, GradientProbe, install_counting_hook
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 
@@ -82,10 +82,11 @@ class TorchDDP:
 def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                     gradient_as_bucket_view: bool = True,
-                    allreduce: str = "auto") -> TorchDDP:
+                    allreduce: str = "auto", probe: GradientProbe | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
-    through shared memory where `allreduce` allows (CPU ranks of one host)."""
+    through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
+    scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
     ignored = policy.bind(model)
     if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
@@ -102,7 +103,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
         params, buffers = float_state(model)
         inner = over_shared_memory(inner, params + buffers if policy.syncs_parameters
                                    else params, allreduce)
-    install_counting_hook(ddp, inner, counts)
+    install_counting_hook(ddp, inner, counts, probe)
     shared = inner.hook is shm_hook
     if shared:  # a policy that averages by itself may use the same slots
         policy.use_shared_memory(inner.state)

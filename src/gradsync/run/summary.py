@@ -45,7 +45,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     def per_rank(key: str) -> list[Any]:
         return [g[key] for g in gathered]
 
-    accum = sorted({p.schedule.accum_steps(e) for e in range(p.trainer.max_epochs)})
+    accum = p.schedule.sizes(p.trainer.max_epochs)
     return {
         "optimizer_steps": state.step,
         "epochs_completed": state.epoch,
@@ -78,7 +78,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "allreduce": p.engine.transport,
         "seed": seed,
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
-      | group_summary(per_rank("groups"))
+      | group_summary(per_rank("groups")) | (p.noise.summary() if p.noise is not None else {})
 
 
 def group_summary(per_rank: list[dict[str, list[int]]]) -> dict[str, Any]:

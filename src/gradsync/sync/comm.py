@@ -76,10 +76,39 @@ def allreduce_in(wire_dtype: torch.dtype | None) -> InnerHook:
     return InnerHook(COMPRESS_HOOKS[wire_dtype], None, wire_dtype)
 
 
+class GradientProbe:
+    """The norms of one synchronising backward's gradient buckets, before the policy's
+    all-reduce (this rank's own gradient, before compression, error feedback or a low-precision
+    cast) and after it (the reduced bucket the step applies). Armed by the loop for the first
+    synchronising backward of a window (train/noise_scale.py); disarmed by that backward's last
+    bucket. One norm of each bucket where it lies: no copy of the gradients, no host sync (the
+    norms stay tensors on the bucket's device until the meter sums them)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.fired = False  # a synchronising backward was measured since arm()
+        self.local: list[torch.Tensor] = []  # per bucket, before the all-reduce
+        self.reduced: list[torch.Tensor] = []  # per bucket, after it
+
+    def arm(self) -> None:
+        self.armed, self.fired = True, False
+        self.local, self.reduced = [], []
+
+    def before(self, buf: torch.Tensor) -> None:
+        self.fired = True
+        self.local.append(torch.linalg.vector_norm(buf))
+
+    def after(self, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        buf = fut.value()
+        self.reduced.append(torch.linalg.vector_norm(buf))
+        return buf
+
+
 @dataclass
 class CountingState:
     counts: CommCounts
     inner: InnerHook
+    probe: GradientProbe | None = None  # the noise scale's measurement (None: not measured)
 
 
 def counting_hook(
@@ -87,7 +116,14 @@ def counting_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     inner, buf = state.inner, bucket.buffer()
     whole = buf.numel() * (inner.wire_dtype or buf.dtype).itemsize
+    probe = state.probe if state.probe is not None and state.probe.armed else None
+    if probe is not None:
+        probe.before(buf)  # before the inner hook changes the bucket in place
     fut = inner.hook(inner.state, bucket)
+    if probe is not None:
+        fut = fut.then(probe.after)
+        if bucket.is_last():
+            probe.armed = False
     if inner.traffic is not None:
         t = inner.traffic(bucket)
         state.counts.add(t.calls, t.nbytes)
@@ -103,8 +139,10 @@ def counting_hook(
 
 
 def install_counting_hook(ddp, inner: InnerHook | None = None,
-                          counts: CommCounts | None = None) -> CommCounts:
-    """counts: counters that other all-reduces of the run (a policy's averaging) also fill."""
+                          counts: CommCounts | None = None,
+                          probe: GradientProbe | None = None) -> CommCounts:
+    """counts: counters that other all-reduces of the run (a policy's averaging) also fill;
+    probe: where the noise scale's squared norms go (train/noise_scale.py)."""
     counts = counts if counts is not None else CommCounts()
-    ddp.register_comm_hook(CountingState(counts, inner or InnerHook()), counting_hook)
+    ddp.register_comm_hook(CountingState(counts, inner or InnerHook(), probe), counting_hook)
     return counts
