@@ -110,7 +110,7 @@ def one_window_samples(policy_name: str, micro_sizes: list[list[int]], wire: dic
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = DistributedDataParallel(tiny_model(), gradient_as_bucket_view=True)
     built = policy(policy_name, uses_scaler=precision == "fp16", **wire)
-    meter = NoiseScale(world, torch.device("cpu"), "samples", 0.5)
+    meter = NoiseScale(world, torch.device("cpu"), "samples", 0.5, ddp.module.parameters())
     install_counting_hook(ddp, built.comm_hook(), probe=meter.probe)
     width = max(max(m) for m in micro_sizes)
     data = window_data(3, world, [width] * len(micro_sizes[0]))
@@ -133,7 +133,7 @@ def one_window_tokens(policy_name: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = DistributedDataParallel(tiny_lm(), gradient_as_bucket_view=True)
     built = policy(policy_name)
-    meter = NoiseScale(world, torch.device("cpu"), "tokens", 0.5)
+    meter = NoiseScale(world, torch.device("cpu"), "tokens", 0.5, ddp.module.parameters())
     install_counting_hook(ddp, built.comm_hook(), probe=meter.probe)
     mine = [pad_batch(seqs) for seqs in lm_window_batches()[rank]]
     samples = sum(len(x) for x, _ in mine)

@@ -87,8 +87,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                              "world_size": world_size, "counts": counts}),
                        cfg.sync.target)
     unit = resolve(cfg.loss.normalize, data.unit)  # the loss's unit: samples or tokens
-    meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay)
-             if noise.measures(cfg) else None)
+    meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay,
+                              model.parameters()) if noise.measures(cfg) else None)
     probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
     engine = build_engine(tr.engine, model=model, policy=policy, device=device,
                           world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,

@@ -5,7 +5,7 @@ end of one synchronising backward. Policies that want another all-reduce (low pr
 pass it as the inner hook and keep these counts.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,31 +77,51 @@ def allreduce_in(wire_dtype: torch.dtype | None) -> InnerHook:
 
 
 class GradientProbe:
-    """The norms of one synchronising backward's gradient buckets, before the policy's
-    all-reduce (this rank's own gradient, before compression, error feedback or a low-precision
-    cast) and after it (the reduced bucket the step applies). Armed by the loop for the first
-    synchronising backward of a window (train/noise_scale.py); disarmed by that backward's last
-    bucket. One norm of each bucket where it lies: no copy of the gradients, no host sync (the
-    norms stay tensors on the bucket's device until the meter sums them)."""
+    """The norm of every parameter's gradient in one synchronising backward's buckets, before
+    the policy's all-reduce (this rank's own gradient, before compression, error feedback or a
+    low-precision cast) and after it (the reduced bucket the step applies). Armed by the loop
+    for the first synchronising backward of a window (train/noise_scale.py); disarmed by that
+    backward's last bucket. Norms of the gradients where they lie (no copy, no host sync),
+    kept per parameter in the model's order, so their sum does not depend on how DDP laid the
+    buckets out (it rebuilds them after the first iteration; a resumed run starts unbuilt)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self.order = {id(q): i for i, q in enumerate(parameters)}
         self.armed = False
         self.fired = False  # a synchronising backward was measured since arm()
-        self.local: list[torch.Tensor] = []  # per bucket, before the all-reduce
-        self.reduced: list[torch.Tensor] = []  # per bucket, after it
+        self.local: dict[int, torch.Tensor] = {}  # parameter index -> norm before the all-reduce
+        self.reduced: dict[int, torch.Tensor] = {}  # and after it
 
     def arm(self) -> None:
         self.armed, self.fired = True, False
-        self.local, self.reduced = [], []
+        self.local, self.reduced = {}, {}
 
-    def before(self, buf: torch.Tensor) -> None:
+    def before(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future[torch.Tensor]],
+                                                          torch.Tensor]:
+        """Measure the bucket now; returns the callback that measures what the all-reduce
+        returns (the reduced bucket, laid out alike)."""
         self.fired = True
-        self.local.append(torch.linalg.vector_norm(buf))
+        buf = bucket.buffer()
+        spans = [(self.order[id(q)], int(g.storage_offset() - buf.storage_offset()), g.numel())
+                 for q, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]
+        self._norms(self.local, buf, spans)
 
-    def after(self, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        buf = fut.value()
-        self.reduced.append(torch.linalg.vector_norm(buf))
-        return buf
+        def after(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            reduced = fut.value()
+            self._norms(self.reduced, reduced, spans)
+            return reduced
+
+        return after
+
+    @staticmethod
+    def _norms(into: dict[int, torch.Tensor], buf: torch.Tensor,
+               spans: list[tuple[int, int, int]]) -> None:
+        norms = torch._foreach_norm([buf[start:start + n] for _, start, n in spans])
+        into.update(zip((i for i, _, _ in spans), norms, strict=True))
+
+    @staticmethod
+    def in_order(norms: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [norms[i] for i in sorted(norms)]
 
 
 @dataclass
@@ -117,11 +137,11 @@ def counting_hook(
     inner, buf = state.inner, bucket.buffer()
     whole = buf.numel() * (inner.wire_dtype or buf.dtype).itemsize
     probe = state.probe if state.probe is not None and state.probe.armed else None
-    if probe is not None:
-        probe.before(buf)  # before the inner hook changes the bucket in place
+    # measured before the inner hook changes the bucket in place
+    measure_reduced = probe.before(bucket) if probe is not None else None
     fut = inner.hook(inner.state, bucket)
-    if probe is not None:
-        fut = fut.then(probe.after)
+    if probe is not None and measure_reduced is not None:
+        fut = fut.then(measure_reduced)
         if bucket.is_last():
             probe.armed = False
     if inner.traffic is not None:

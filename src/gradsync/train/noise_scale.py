@@ -124,7 +124,7 @@ class WindowRecord:
     flush turns every pending window into its row at once."""
 
     window: int  # the window's number (metrics row)
-    small: list[torch.Tensor]  # norms (per bucket) of this rank's small-batch gradient
+    small: list[torch.Tensor]  # norms (per parameter) of this rank's small-batch gradient
     big: list[torch.Tensor]  # norms of the big batch's (all-reduced) gradient
     small_units: torch.Tensor | int  # this rank's units in the small batch
     big_units: torch.Tensor | int  # this rank's units in the big batch
@@ -134,7 +134,8 @@ class WindowRecord:
 
 
 def _sum_squares(norms: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """[window] the sum of the squared norms of each window's buckets, in float64."""
+    """[window] the sum of the squared norms of each window's parameters (or whole gradient),
+    in float64, in the order given."""
     flat = [n for window in norms for n in window]
     out = torch.zeros(len(norms), dtype=torch.float64, device=device)
     if flat:
@@ -151,10 +152,12 @@ class NoiseScale:
     windows' rows (collective: every rank calls it at the same windows). Its moving averages
     are the same on every rank and saved in checkpoints."""
 
-    def __init__(self, world_size: int, device: torch.device, unit: str, decay: float):
+    def __init__(self, world_size: int, device: torch.device, unit: str, decay: float,
+                 parameters: Iterable[torch.nn.Parameter]):
+        """parameters: the model's, in its order (the order the squared norms are summed in)."""
         self.world_size, self.device, self.decay = world_size, device, decay
         self.tokens = unit == "tokens"
-        self.probe = GradientProbe() if world_size > 1 else None
+        self.probe = GradientProbe(parameters) if world_size > 1 else None
         # the moving averages (not bias-corrected) and how many windows they hold
         self.windows = 0
         self.ema_norm_sq = 0.0
@@ -191,9 +194,10 @@ class NoiseScale:
         (kept until the next flush). Every rank adds one per window, measured or not."""
         divisor, scale = normalizer.divisor(window), precision.scale_tensor()
         if self.probe is not None:  # the big batch: every rank's small one
-            self.pending.append(WindowRecord(window_no, self.probe.local, self.probe.reduced,
-                                             self._units, self._units, self.probe.fired,
-                                             divisor, scale))
+            probe = self.probe
+            self.pending.append(WindowRecord(window_no, probe.in_order(probe.local),
+                                             probe.in_order(probe.reduced), self._units,
+                                             self._units, probe.fired, divisor, scale))
             return
         small, units = self._small if self._small is not None else (None, 0)
         self.pending.append(WindowRecord(window_no, [] if small is None else [small],
