@@ -315,3 +315,27 @@ def test_bad_noise_scale_and_lr_scaling_options_are_one_line_errors(overrides, m
     with pytest.raises(ConfigError) as e:
         validate(compose_plain(overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sweep_plots_the_noise_scale_and_the_window_size(tmp_path):
+    from gradsync.run import sweep
+    from gradsync.train.metrics import final_metrics
+
+    jobs = [sweep.Job(0, tmp_path, {"+experiment/window": "n4"}, {"status": "completed"}, [],
+                      [], [(64, 100.0, 4), (128, 150.0, 4)]),
+            sweep.Job(1, tmp_path, {"+experiment/window": "adaptive"}, {"status": "completed"},
+                      [], [], [(16, 50.0, 1), (48, 90.0, 2), (80, 400.0, 2)]),
+            sweep.Job(2, tmp_path, {"+experiment/window": "n1"}, {"status": "completed"}, [],
+                      [], [])]  # measured nothing: no curve
+    fig = sweep.plot_noise(jobs, tmp_path / "noise.png")
+    ax_b, ax_n = fig.axes
+    assert [list(line.get_xdata()) for line in ax_b.lines] == [[64, 128], [16, 48, 80]]
+    assert list(ax_b.lines[1].get_ydata()) == [50.0, 90.0, 400.0]
+    assert list(ax_n.lines[1].get_ydata()) == [1, 2, 2] and ax_b.get_yscale() == "log"
+    assert [t.get_text() for t in ax_b.get_legend().get_texts()] == [
+        "+experiment/window=n4", "+experiment/window=adaptive"]
+    assert (tmp_path / "noise.png").read_bytes()[:4] == b"\x89PNG"
+    summary = {"final_train_loss": 1.0, "eval": {}, "samples_per_s": 1.0, "sync_backwards": [1],
+               "allreduce_calls": [1], "allreduce_bytes": [1], "peak_rss_mb": 1.0}
+    assert "noise_scale" not in final_metrics(summary | {"noise_scale": None})
+    assert final_metrics(summary | {"noise_scale": 123.0})["noise_scale"] == 123.0

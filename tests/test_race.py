@@ -252,10 +252,10 @@ def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budg
         seen[name] = (s["name"], s.get("accum_steps"), plain["lr_scaling"]["name"],
                       plain["lr_scheduler"]["warmup_steps"], t["eval_every"])
     for n in (1, 2, 4, 8):
-        assert seen[f"n{n}"] == ("constant", n, "none", 40 // n, 64 // n)
-    assert seen["n16"] == ("constant", 16, "none", 3, 4)
-    assert seen["adaptive"] == ("adaptive", None, "adascale", 10, 8)
-    assert seen["adaptive_plain"] == ("adaptive", None, "none", 10, 8)
+        assert seen[f"n{n}"] == ("constant", n, "none", 40 // n, 16 // n)
+    assert seen["n16"] == ("constant", 16, "none", 3, 1)
+    assert seen["adaptive"] == ("adaptive", None, "adascale", 10, 4)
+    assert seen["adaptive_plain"] == ("adaptive", None, "none", 10, 4)
 
 
 @pytest.mark.slow

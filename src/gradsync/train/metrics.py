@@ -122,7 +122,8 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
             "peak_rss_mb": summary["peak_rss_mb"]}
     for rank, mb in enumerate(summary.get("peak_gpu_mem_mb") or []):
         out[f"peak_gpu_mem_mb_rank{rank}"] = mb
-    out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift") if k in summary}
+    out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift", "noise_scale")
+            if summary.get(k) is not None}
     return out
 
 
