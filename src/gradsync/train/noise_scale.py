@@ -15,7 +15,7 @@ estimate is noisy and may be negative).
 Data-parallel training holds both batches at every synchronising window: each rank's own
 window gradient just before the all-reduce (the small batch, its real samples) and the
 all-reduced gradient just after (the big batch, the window's real samples over all ranks). The
-counting comm hook (sync/comm.py GradientProbe) takes the squared norm of every bucket before
+counting comm hook (sync/comm.py GradientProbe) takes the norm of every gradient in a bucket before
 the policy's all-reduce (before compression, error feedback, a low-precision cast) and after it:
 no extra forward or backward, no copy of the gradients. |G_small|^2 is the mean over ranks of
 the local squared norms; with ranks of unequal real sample counts b_r (an epoch's uneven last
