@@ -217,15 +217,45 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
         plain = compose_plain(["experiment=policy_race", f"+experiment/race={name}"])
         validate(plain)
         targets[name] = plain["sync"]["_target_"].rsplit(".", 1)[1]
+        first_n = plain["schedule"].get("accum_steps", plain["schedule"].get(
+            "initial_accum_steps"))
         budgets.add((plain["data"]["_target_"], plain["model"]["_target_"],
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],
-                     plain["data"]["micro_batch_size"], plain["schedule"]["accum_steps"],
+                     plain["data"]["micro_batch_size"], first_n,
                      plain["seed"], plain["optimizer"]["lr"]))
     assert budgets == {("gradsync.data.corpus.stdlib_text", "gradsync.models.Transformer", 2, 2, 8,
                         4, 0, 0.005)}
     assert targets["always"] == "AlwaysSync" and targets["amp_aware_bf16"] == "AmpAwareSync"
-    assert targets["accumulate"] == targets["powersgd"] == "AccumulateSync"
+    assert targets["accumulate"] == targets["powersgd"] == targets["adaptive"] \
+        == "AccumulateSync"
     assert (targets["local_sgd_h8"], targets["diloco_h16"]) == ("LocalSGD", "DiLoCo")
+
+
+def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budget():
+    """N = 1..16 and the adaptive schedule (with and without AdaScale) on the race's data, model
+    and optimizer; every fixed N warms up and evaluates at the same samples (16 x N chunks per
+    step), the adaptive ones count their LR schedule in steps of 64 chunks."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=window_search"],
+                      return_hydra_config=True)
+    swept = cfg.hydra.sweeper.params["+experiment/window"].split(",")
+    assert sorted(swept) == sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "window")
+                                   .glob("*.yaml"))
+    seen = {}
+    for name in swept:
+        plain = compose_plain(["experiment=window_search", f"+experiment/window={name}"])
+        validate(plain)
+        assert (plain["data"]["max_bytes"], plain["trainer"]["max_epochs"],
+                plain["optimizer"]["lr"], plain["trainer"]["noise_scale"]) == (600000, 2,
+                                                                               0.005, True)
+        s, t = plain["schedule"], plain["trainer"]
+        seen[name] = (s["name"], s.get("accum_steps"), plain["lr_scaling"]["name"],
+                      plain["lr_scheduler"]["warmup_steps"], t["eval_every"])
+    for n in (1, 2, 4, 8):
+        assert seen[f"n{n}"] == ("constant", n, "none", 40 // n, 16 // n)
+    assert seen["n16"] == ("constant", 16, "none", 3, 1)
+    assert seen["adaptive"] == ("adaptive", None, "adascale", 10, 4)
+    assert seen["adaptive_plain"] == ("adaptive", None, "none", 10, 4)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scheduler: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
+    lr_scaling: Any = MISSING
     seed: int = 0
     resume: str = "none"  # none | auto | a checkpoint file or run dir
 

@@ -55,6 +55,7 @@ MAX_LOCAL_RANKS = 1024
 MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
 MAX_EPOCHS = 10**6  # the run's epochs are planned one by one at its start
+MAX_ACCUM = 2**20  # micro-batches of one window (schedule=adaptive's bounds)
 # A process group's timeout: torch's clocks count nanoseconds in 64 bits (about 292 years),
 # Python's timedelta fewer than 10**14 seconds; 10**9 s (31 years) is far from both.
 MAX_TIMEOUT_S = 10**9
@@ -94,6 +95,10 @@ class TrainerConfig:
     trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
+    # the gradient noise scale, measured at every synchronising window (docs/noise-scale.md);
+    # also on whenever schedule=adaptive or lr_scaling=adascale needs it
+    noise_scale: bool = False
+    noise_scale_decay: float = 0.95  # of the exponential moving averages, per measured window
 
     def check(self, device_type: str) -> None:
         """device_type: where the ranks compute (the job's placement), cpu or cuda."""
@@ -119,6 +124,8 @@ class TrainerConfig:
                 self.engine)
         require(self.allreduce in ALLREDUCE, "trainer.allreduce",
                 f"one of {', '.join(ALLREDUCE)}", self.allreduce)
+        require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
+                "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
         if self.allreduce == "shared_memory" and device_type == "cuda":
             raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")
@@ -172,10 +179,66 @@ class GlobalBatchScheduleConfig:
                 f"{micro_batch_size} = {per_window}", gb)
 
 
-ScheduleConfig = ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
+@dataclass
+class AdaptiveScheduleConfig:
+    """N follows the measured gradient noise scale: the global batch is kept near scale x
+    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every` optimizer
+    steps (docs/noise-scale.md)."""
+
+    name: str = "adaptive"
+    scale: float = 1.0  # target global batch / B_simple
+    initial_accum_steps: int = 1  # until the first decision
+    min_accum_steps: int = 1
+    max_accum_steps: int = 16
+    every: int = 10  # optimizer steps between decisions: N changes at most this often
+
+    def check(self, world_size: int, micro_batch_size: int) -> None:
+        check_types(self, "schedule")
+        _in_range(self, "schedule", {"initial_accum_steps": (1, MAX_ACCUM), "min_accum_steps":
+                                     (1, MAX_ACCUM), "max_accum_steps": (1, MAX_ACCUM),
+                                     "every": (1, None)})
+        require(finite(self.scale) and self.scale > 0, "schedule.scale", "a finite number > 0",
+                self.scale)
+        require(self.min_accum_steps <= self.max_accum_steps, "schedule.max_accum_steps",
+                f"an integer >= schedule.min_accum_steps={self.min_accum_steps}",
+                self.max_accum_steps)
+        require(self.min_accum_steps <= self.initial_accum_steps <= self.max_accum_steps,
+                "schedule.initial_accum_steps", f"an integer in [{self.min_accum_steps}, "
+                f"{self.max_accum_steps}] (schedule.min/max_accum_steps)",
+                self.initial_accum_steps)
+        if world_size == 1:
+            require(self.min_accum_steps >= 2, "schedule.min_accum_steps",
+                    "an integer >= 2 on 1 rank (the noise scale is measured there from a "
+                    "window's first micro-batch and the whole window)", self.min_accum_steps)
+
+
+ScheduleConfig = (ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
+                  | AdaptiveScheduleConfig)
 SCHEDULES: dict[str, type] = {"constant": ConstantScheduleConfig,
                               "epochwise": EpochwiseScheduleConfig,
-                              "global_batch": GlobalBatchScheduleConfig}
+                              "global_batch": GlobalBatchScheduleConfig,
+                              "adaptive": AdaptiveScheduleConfig}
+LR_SCALINGS = ("none", "linear", "sqrt", "adascale")
+
+
+@dataclass
+class LRScalingConfig:
+    """How the learning rate follows the global batch (docs/noise-scale.md): none; linear or
+    sqrt in global batch / reference_batch; adascale (AdaScale's gain from the measured noise
+    scale, the LR schedule advanced by the gain)."""
+
+    name: str = "none"
+    # the global batch (samples) the optimizer's LR is set for; 0: the first window's,
+    # world size x data.micro_batch_size x the schedule's first N
+    reference_batch: int = 0
+
+    def check(self) -> None:
+        check_types(self, "lr_scaling")
+        require(self.name in LR_SCALINGS, "lr_scaling.name", f"one of {', '.join(LR_SCALINGS)}",
+                self.name)
+        _in_range(self, "lr_scaling", {"reference_batch": (0, None)})
+
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -273,6 +336,7 @@ class RunConfig:
     precision: PrecisionConfig
     trainer: TrainerConfig
     loss: LossConfig
+    lr_scaling: LRScalingConfig
     seed: int
     resume: str  # none, or the checkpoint to start from (the job resolves auto to a path)
 
@@ -289,12 +353,13 @@ class RunConfig:
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
                    loss=typed(LossConfig, plain["loss"]),
+                   lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
         out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
-        for group in ("schedule", "precision", "trainer", "loss"):
+        for group in ("schedule", "precision", "trainer", "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -306,5 +371,6 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
     "loss": {"default": LossConfig},
+    "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }
 TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "seed", "resume")  # a composed config's keys

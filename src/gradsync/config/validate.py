@@ -38,6 +38,7 @@ from gradsync.data.bundle import build_data, check_bundle
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import meta_model
+from gradsync.train import noise_scale
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
@@ -245,4 +246,6 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     cfg.precision.check(placement.device_type)
     check_components(plain, cfg, placement.world_size)
     check_engine(plain, cfg, placement.world_size)
+    cfg.lr_scaling.check()
+    noise_scale.check(cfg, placement.world_size)
     return cfg

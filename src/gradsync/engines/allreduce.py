@@ -11,14 +11,15 @@ from torch import nn
 
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.averaging import float_state
-from gradsync.sync.comm import CommCounts, CountingState
+from gradsync.sync.comm import CommCounts, CountingState, GradientProbe
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 
 
 def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
                      world_size: int, allreduce: str, counts: CommCounts,
-                     trace: SyncTrace | None = None) -> tuple[CountingState, str]:
+                     trace: SyncTrace | None = None,
+                     probe: GradientProbe | None = None) -> tuple[CountingState, str]:
     """The counting hook's state around the policy's all-reduce, and the transport it takes:
     shared_memory or process_group. Collective (the shared-memory slots are mapped by every
     rank)."""
@@ -31,4 +32,5 @@ def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
     shared = inner.hook is shm_hook
     if shared:  # a policy that averages by itself may use the same slots
         policy.use_shared_memory(inner.state)
-    return CountingState(counts, inner, trace), "shared_memory" if shared else "process_group"
+    transport = "shared_memory" if shared else "process_group"
+    return CountingState(counts, inner, trace, probe=probe), transport

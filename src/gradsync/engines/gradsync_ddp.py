@@ -50,7 +50,7 @@ from torch import nn
 
 from gradsync.engines.allreduce import policy_allreduce
 from gradsync.engines.trace import SyncTrace
-from gradsync.sync.comm import CommCounts, CountingState, counting_hook
+from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
@@ -412,13 +412,15 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
                        gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                        find_unused_parameters: bool = False,
                        trace: SyncTrace | None = None,
-                       memory: MemoryMeter | None = None) -> GradsyncDDP:
+                       memory: MemoryMeter | None = None,
+                       probe: GradientProbe | None = None) -> GradsyncDDP:
     """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce
-    inside the counting hook, through shared memory where `allreduce` allows."""
+    inside the counting hook, through shared memory where `allreduce` allows; probe: the noise
+    scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
     ignored = policy.bind(model)
     if trace:
         trace.watch(model)  # before the engine's hooks: a gradient's time comes first
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
-                                        trace)
+                                        trace, probe)
     return GradsyncDDP(model, policy, ignored, state, transport, bucket_cap_mb,
                        gradient_as_bucket_view, find_unused_parameters, trace, memory)

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import policy_allreduce
 from gradsync.engines.trace import SyncTrace
-from gradsync.sync.comm import CommCounts, counting_hook
+from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
 from gradsync.train.memory import MemoryMeter, storage_bytes
@@ -87,10 +87,12 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                     find_unused_parameters: bool = False,
                     trace: SyncTrace | None = None,
-                    memory: MemoryMeter | None = None) -> TorchDDP:
+                    memory: MemoryMeter | None = None,
+                    probe: GradientProbe | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
-    through shared memory where `allreduce` allows (CPU ranks of one host)."""
+    through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
+    scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
     if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
         raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
                            "(sync_bucket): torch's DDP synchronises all buckets or none")
@@ -106,7 +108,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
         find_unused_parameters=find_unused_parameters,
         **ddp_buffer_sync(not policy.syncs_parameters))
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
-                                        trace)
+                                        trace, probe)
     ddp.register_comm_hook(state, counting_hook)
     # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
     # spares the zeroing pass and the backward's accumulation into the zeros

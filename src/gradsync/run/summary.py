@@ -50,7 +50,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     def per_rank(key: str) -> list[Any]:
         return [g[key] for g in gathered]
 
-    accum = sorted({p.schedule.accum_steps(e) for e in range(p.trainer.max_epochs)})
+    accum = p.schedule.sizes(p.trainer.max_epochs)
     return {
         "optimizer_steps": state.step,
         "epochs_completed": state.epoch,
@@ -84,7 +84,8 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "seed": seed,
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
       | group_summary(per_rank("groups")) | trace_summary(per_rank("trace")) \
-      | sharded_summary(per_rank("sharded")) | memory_summary(per_rank("memory"))
+      | sharded_summary(per_rank("sharded")) | memory_summary(per_rank("memory")) \
+      | (p.noise.summary() if p.noise is not None else {})
 
 
 

@@ -8,6 +8,9 @@ writes the summary of an interrupted sweep by hand. When its jobs hold different
 memory (engines, sharding: docs/sharded.md), memory.png puts each job's memory against the
 bytes it moved per optimizer step.
 
+Where the jobs measured the gradient noise scale (trainer.noise_scale), noise_scale.png shows
+B_simple and the window size over training, and the table its final value.
+
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
 axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
 left out), and the columns samples_to_target, bytes_to_target and seconds_to_target say where
@@ -64,6 +67,8 @@ class Job:
     summary: dict[str, Any]  # summary.json; {"status": "failed", "error": ...} when it failed
     losses: list[Point]  # train loss (mean over ranks) per optimizer step
     evals: list[Point] = field(default_factory=list)  # eval loss per evaluation
+    # (samples, B_simple, window size) per optimizer step, where the noise scale was measured
+    noise: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def completed(self) -> bool:
@@ -76,9 +81,11 @@ def _read_job(job_dir: Path) -> Job:
     summary_path = job_dir / "summary.json"
     summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
                {"status": "failed", "error": "no summary.json: the job did not finish"})
+    rows = _rows(job_dir / "metrics.jsonl")
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
-               _points(_rows(job_dir / "metrics.jsonl"), "loss"),
-               _points(_rows(job_dir / "evals.jsonl"), "loss"))
+               _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
+               [(r["samples"], r["noise_scale"], r["accum_steps"]) for r in rows
+                if "noise_scale" in r])
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
@@ -180,6 +187,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "peak_mem_mb": ("peak MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
     "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
+    "noise_scale": ("final B_simple", lambda v: f"{v:,.0f}"),  # trainer.noise_scale
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
     "bytes_to_target": ("all-reduce MB to target", lambda v: f"{v / 1e6:.2f}"),
     "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),
@@ -327,14 +335,11 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
     point per job, gradient memory held (left) and peak memory (right) against the bytes it
     moved per optimizer step (rank 0's all-reduce, reduce-scatter and all-gather bytes).
     Returns whether it wrote the plot."""
+    import matplotlib.pyplot as plt
+
     done = [r for r in rows if r["status"] == "completed" and "grad_held_bytes" in r]
     if len(done) < 2 or len({r["grad_held_bytes"] for r in done}) < 2:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     peaks = all(r.get("peak_mem_mb", "") != "" for r in done)
     fig, axes = plt.subplots(1, 2 if peaks else 1, figsize=(13 if peaks else 7, 4.8),
                              squeeze=False)
@@ -360,6 +365,41 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def plot_noise(jobs: list[Job], path: Path):
+    """Where the jobs measured the gradient noise scale (docs/noise-scale.md): B_simple (log
+    axis) and the window size N against samples seen, one colour per job. Returns the figure
+    (closed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = swept_keys(jobs)
+    fig, (ax_b, ax_n) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, job in enumerate(jobs):
+        if not job.noise:
+            continue
+        samples = [x for x, _, _ in job.noise]
+        text = " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
+        color = colors[i % len(colors)]
+        ax_b.plot(samples, [b for _, b, _ in job.noise], color=color, linewidth=1.2,
+                  label=text)
+        ax_n.step(samples, [n for _, _, n in job.noise], where="post", color=color,
+                  linewidth=1.2)
+    ax_b.set(xlabel="samples seen", ylabel="B_simple (the loss's unit)", yscale="log",
+             title="Gradient noise scale B_simple (moving averages)")
+    ax_n.set(xlabel="samples seen", ylabel="micro-batches per optimizer step (N)",
+             title="Window size")
+    for ax in (ax_b, ax_n):
+        ax.grid(True, alpha=0.3)
+    ax_b.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return fig
+
+
 @dataclass
 class SweepSummary:
     jobs: int
@@ -382,6 +422,8 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSum
     plot(jobs, sweep_dir / "sweep.png", target)
     swept = swept_keys(jobs)
     plot_memory([r | {"_swept": swept} for r in rows], sweep_dir / "memory.png")
+    if any(job.noise for job in jobs):
+        plot_noise(jobs, sweep_dir / "noise_scale.png")
     return SweepSummary(len(rows), sum(r["status"] != "completed" for r in rows), text)
 
 

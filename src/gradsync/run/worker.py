@@ -35,12 +35,13 @@ from gradsync.run.ranks import is_rank0
 from gradsync.run.slurm import task_has_own_cpus, watched_signals
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import as_policy
-from gradsync.train import checkpoint, sharded_checkpoint
+from gradsync.train import checkpoint, lr_scaling, sharded_checkpoint
+from gradsync.train import noise_scale as noise
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress, train
 from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
-from gradsync.train.normalize import build_normalizer
+from gradsync.train.normalize import build_normalizer, resolve
 from gradsync.train.precision import build_precision
 from gradsync.train.repro import (
     prepare_cuda_determinism,
@@ -89,22 +90,37 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": precision.scaler is not None,
                                              "world_size": world_size, "counts": counts}),
                        cfg.sync.target)
+    unit = resolve(cfg.loss.normalize, data.unit)  # the loss's unit: samples or tokens
+    meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay,
+                              model.parameters()) if noise.measures(cfg) else None)
+    probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
     engine = build_engine(tr.engine, model=model, policy=policy, device=device,
                           world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,
                           gradient_as_bucket_view=tr.gradient_as_bucket_view,
                           allreduce=tr.allreduce, memory=memory, precision=cfg.precision.name,
                           fsdp_units=tr.fsdp_units, replicas=tr.replicas,
                           find_unused_parameters=tr.find_unused_parameters,
-                          trace=SyncTrace(rank) if tr.trace_sync else None)
+                          trace=SyncTrace(rank) if tr.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
-    schedule = build_schedule(cfg.schedule, world_size, micro)
-    total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
+    schedule = build_schedule(cfg.schedule, world_size, micro,
+                              data.tokens_per_sample if unit == "tokens" else 1.0)
+    scaling, tick = cfg.lr_scaling, lr_scaling.clock(cfg.lr_scaling.name, cfg.schedule.name)
+    reference = lr_scaling.reference_batch(scaling, world_size, micro, schedule.accum_steps(0))
+    if tick == "steps":
+        total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
+    else:  # the number of steps is not known in advance: the horizon in reference batches
+        largest = world_size * micro * schedule.largest(tr.max_epochs)
+        total = lr_scaling.horizon(tr.max_epochs, tr.max_steps,
+                                   len(data.train), reference, largest)  # type: ignore[arg-type]
+    lr_scheduler = build(cfg.lr_scheduler.node, {"optimizer": optimizer, "total_steps": total})
+    if lr_scaling.needed(scaling.name, cfg.schedule.name):
+        lr_scheduler = lr_scaling.ScaledLR(lr_scheduler, optimizer, scaling.name, reference, tick)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
                                   data.tokens_per_sample)
     return Parts(
         engine=engine,
         optimizer=optimizer,
-        lr_scheduler=build(cfg.lr_scheduler.node, {"optimizer": optimizer, "total_steps": total}),
+        lr_scheduler=lr_scheduler,
         loader=loader,
         sampler=sampler,
         schedule=schedule,
@@ -118,6 +134,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         world_size=world_size,
         micro_batch_size=micro,
         total_steps=total,
+        noise=meter,
     )
 
 

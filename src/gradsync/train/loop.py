@@ -15,6 +15,10 @@ x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the G
 the step of a window whose gradients hold inf/nan: such a window advances ``windows`` but neither
 ``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every`` count only
 real updates (Lightning #5558 stepped the scheduler anyway).
+
+Windows are cut one at a time from where the epoch stands (schedules.cut_window), so the window
+size may change inside an epoch (schedule=adaptive, following the noise scale measured by
+train/noise_scale.py); with a fixed schedule they are the epoch's plan, window for window.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from gradsync.engines.base import Engine
 from gradsync.run.devices import on_device
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
+from gradsync.train.lr_scaling import ScaledLR
 from gradsync.train.metrics import RunLog, peak_memory_mb
+from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import Normalizer
 from gradsync.train.precision import Precision
-from gradsync.train.schedules import Shard, Window, plan_epoch
+from gradsync.train.schedules import Schedule, Shard, Window, cut_window, micro_batches
 
 
 class Stop(Protocol):
@@ -59,10 +65,11 @@ class Parts:
 
     engine: Engine
     optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    # stepped once per optimizer step taken; a ScaledLR when lr_scaling (train/lr_scaling.py)
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | ScaledLR
     loader: DataLoader
     sampler: DistributedSampler
-    schedule: Any  # .accum_steps(epoch) -> int
+    schedule: Schedule
     policy: SyncPolicy
     precision: Precision
     loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -73,6 +80,7 @@ class Parts:
     world_size: int
     micro_batch_size: int
     total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
+    noise: NoiseScale | None = None  # the gradient noise scale's meter, when measured
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: Stop | None = None  # None: signals are not watched
@@ -101,7 +109,8 @@ class Progress:
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
-    epoch_step: int = 0  # windows of the current epoch done: where a resumed epoch starts
+    epoch_step: int = 0  # windows of the current epoch done
+    epoch_micro: int = 0  # micro-batches of the current epoch done: where a resumed epoch starts
 
     @property
     def skipped_steps(self) -> int:
@@ -135,7 +144,8 @@ def unsynced(policy: str, window: Window, last_synced: int) -> str:
 
 def run_window(engine: Engine, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss: Callable,
-               device: torch.device, norm: Normalizer) -> torch.Tensor:
+               device: torch.device, norm: Normalizer,
+               meter: NoiseScale | None = None) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
     in full). After each backward the policy may find the window doomed (an overflow on some
@@ -144,8 +154,11 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
     ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
     and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
     loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
-    unless the policy keeps the replicas consistent itself (syncs_parameters)."""
+    unless the policy keeps the replicas consistent itself (syncs_parameters). `meter`: the
+    noise scale's, told each micro-batch's real units before its backward."""
     total = torch.zeros((), device=device)
+    if meter is not None:
+        meter.start_window()
     doomed = False
     real_left = window.real
     last_synced = -1  # the window's last micro-batch so far that synchronised
@@ -166,6 +179,8 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
                 out = engine(x)
                 sums, counts = loss(out if keep == len(out) else out[:keep], y)
                 micro = norm.micro_loss(window, i, sums, counts)
+            if meter is not None:
+                meter.before_backward(i, keep, counts, engine.parameters())
             precision.backward(micro)
         total += micro.detach()
         doomed = policy.window_doomed(engine.module, i, window.size)
@@ -193,6 +208,11 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
     if stepped:
         p.lr_scheduler.step()
     return stepped, norm
+
+
+# the noise scale's fields of a metrics row that TensorBoard gets (of the log point's window)
+NOISE_SCALARS = ("grad_sq_small", "grad_sq_big", "grad_norm_sq_window", "grad_trace_cov_window",
+                 "grad_norm_sq", "grad_trace_cov", "noise_scale")
 
 
 class StepLog:
@@ -231,11 +251,17 @@ class StepLog:
             return
         grad_norm = None if norm is None else float(norm)
         losses = torch.stack(self.losses).double()
-        if self.p.world_size > 1:
+        noise = self.p.noise
+        if noise is not None:  # the windows' noise-scale rows ride on the same all-reduce
+            losses = noise.flush(losses)  # type: ignore[assignment]
+        elif self.p.world_size > 1:
             dist.all_reduce(losses)
+        if self.p.world_size > 1:
             losses /= self.p.world_size
         for row, loss in zip(self.rows, losses.tolist(), strict=True):
             row["loss"] = loss
+            if noise is not None:
+                row |= noise.take(row["window"])
         self._max_drift_over_ranks()
         for row in self.rows:  # rank 0's, every step (trainer.trace_sync)
             traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
@@ -261,6 +287,9 @@ class StepLog:
           | c.sharded_scalars() | self.p.engine.memory.scalars()
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
+        if "lr_factor" in last:
+            scalars["train/lr_factor"] = last["lr_factor"]
+        scalars |= {f"noise/{k}": v for k, v in last.items() if k in NOISE_SCALARS}
         if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json
             scalars["perf/peak_gpu_mem_mb"] = peak_memory_mb(self.p.device)
         if self.p.precision.scaler is not None:
@@ -327,16 +356,24 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     stop = 0
     p.policy.start(p.engine.module, state.windows)
     while not state.done(tr) and not stop:
-        epoch, first = state.epoch, state.epoch_step
+        epoch = state.epoch
         shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
                       p.sampler.num_replicas)
-        plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(epoch))
-        batches = epoch_batches(p.loader, epoch, plan[first].start * p.micro_batch_size)
-        for k in range(first, len(plan)):
-            window = plan[k]
+        epoch_end = micro_batches(shard, p.micro_batch_size)
+        batches = epoch_batches(p.loader, epoch, state.epoch_micro * p.micro_batch_size)
+        end_of_epoch = False
+        while not end_of_epoch:
+            window = cut_window(shard, p.micro_batch_size, state.epoch_micro,
+                                p.schedule.accum_steps(epoch))
             t0 = time.perf_counter()
             local_loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
-                                    p.device, p.normalizer)
+                                    p.device, p.normalizer, p.noise)
+            if p.noise is not None:
+                p.noise.end_window(state.windows + 1, window, p.normalizer,  # type: ignore[arg-type]
+                                   p.precision, p.engine.parameters())
+            factor = None
+            if isinstance(p.lr_scheduler, ScaledLR):
+                factor = p.lr_scheduler.before_step(window, p.noise)
             lr = p.optimizer.param_groups[0]["lr"]
             log_now = (state.windows + 1) % tr.log_every == 0
             stepped, norm = optimizer_step(p, want_norm=log_now)
@@ -344,9 +381,12 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             state.windows += 1
             state.step += stepped
             state.samples_seen += window.global_real
-            end_of_epoch = k == len(plan) - 1
+            end_of_epoch = window.stop == epoch_end
             state.epoch = epoch + end_of_epoch  # counts completed epochs
-            state.epoch_step = 0 if end_of_epoch else k + 1
+            state.epoch_step = 0 if end_of_epoch else state.epoch_step + 1
+            state.epoch_micro = 0 if end_of_epoch else window.stop
+            if stepped:  # schedule=adaptive may choose the next window's size (collective)
+                p.schedule.after_step(state.step, p.noise)
             finished = state.done(tr)
             p.policy.after_window(p.engine.module, state.windows)
             if finished:
@@ -354,6 +394,8 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             row = {"window": state.windows, "step": state.step, "epoch": epoch,
                    "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
                    "stepped": stepped}
+            if factor is not None:
+                row["lr_factor"] = factor
             if p.policy.replica_drift is not None:
                 row["replica_drift"] = p.policy.replica_drift
             trace = getattr(p.engine, "trace", None)

@@ -136,7 +136,8 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
         peaks = [mb for mb in mem["peak_mb"] if mb is not None]
         if peaks:
             out["peak_mem_mb"] = max(peaks)
-    out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift") if k in summary}
+    out |= {k: summary[k] for k in ("train_s", "wall_s", "max_replica_drift", "noise_scale")
+            if summary.get(k) is not None}
     return out
 
 

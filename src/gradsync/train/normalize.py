@@ -66,7 +66,11 @@ class BySamples:
             sums = sums / counts.clamp_min(1)
         # ranks hold different numbers of real samples in an epoch's last window: DDP's mean
         # over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples
-        return sums.sum() / (window.global_real / self.world_size)
+        return sums.sum() / self.divisor(window)
+
+    def divisor(self, window: Window) -> float:
+        """What each micro-batch's summed loss is divided by (the noise scale rescales by it)."""
+        return window.global_real / self.world_size
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total
@@ -100,6 +104,10 @@ class ByTokens:
             # launched before the last backward, which it overlaps
             self.work = dist.all_reduce(self.tokens, async_op=True)
         return sums.sum() / self.constant
+
+    def divisor(self, window: Window) -> float:
+        """What each micro-batch's summed loss of the current window is divided by."""
+        return self.constant
 
     def _factor(self) -> torch.Tensor:
         if self.factor is None:

@@ -76,6 +76,12 @@ class Precision:
         self.scaler.update()
         return not skipped
 
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scale this window's backwards used, as a tensor on the device (no host sync; a
+        copy, since update() changes the scaler's own in place); None without a scaler."""
+        scale = self.scaler._get_scale_async() if self.scaler else None
+        return None if scale is None else scale.detach().clone()
+
     @property
     def scale(self) -> float:
         """The current loss scale (1.0 without a scaler: the loss is not scaled)."""

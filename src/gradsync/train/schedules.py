@@ -1,12 +1,41 @@
-"""Accumulation schedules (how many micro-batches make one optimizer step, per epoch) and the
-window plan of an epoch, including the short windows at its end."""
+"""Accumulation schedules (how many micro-batches make the next optimizer step: per epoch, or
+following the measured noise scale) and the windows of an epoch, cut one at a time from where
+the epoch stands, including the short windows at its end."""
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gradsync.config.schema import ConstantScheduleConfig, EpochwiseScheduleConfig, ScheduleConfig
+from gradsync.config.schema import (
+    AdaptiveScheduleConfig,
+    ConstantScheduleConfig,
+    EpochwiseScheduleConfig,
+    ScheduleConfig,
+)
+
+if TYPE_CHECKING:
+    from gradsync.train.noise_scale import NoiseScale
+
+
+class Schedule(Protocol):
+    def accum_steps(self, epoch: int) -> int:
+        """Micro-batches of the next window (an epoch's last window may hold fewer)."""
+        ...
+
+    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+        """After each optimizer step taken (step: steps taken so far), on every rank."""
+        ...
+
+    def sizes(self, max_epochs: int) -> list[int]:
+        """The window sizes the run uses (so far), for summary.json."""
+        ...
+
+    def largest(self, max_epochs: int) -> int:
+        """The largest window the run may use."""
+        ...
 
 
 class ConstantSchedule:
@@ -14,6 +43,15 @@ class ConstantSchedule:
         self.steps = accum_steps
 
     def accum_steps(self, epoch: int) -> int:
+        return self.steps
+
+    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+        pass
+
+    def sizes(self, max_epochs: int) -> list[int]:
+        return [self.steps]
+
+    def largest(self, max_epochs: int) -> int:
         return self.steps
 
 
@@ -28,12 +66,75 @@ class EpochwiseSchedule:
     def accum_steps(self, epoch: int) -> int:
         return self.steps[bisect.bisect_right(self.starts, epoch) - 1]
 
+    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+        pass
 
-def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int):
+    def sizes(self, max_epochs: int) -> list[int]:
+        return sorted({self.accum_steps(e) for e in range(max_epochs)})
+
+    def largest(self, max_epochs: int) -> int:
+        return max(self.sizes(max_epochs))
+
+
+class AdaptiveSchedule:
+    """schedule=adaptive: every `every` optimizer steps, N becomes the window that makes the
+    global batch scale x B_simple (the measured noise scale, train/noise_scale.py), clamped to
+    [lowest, highest]. B_simple is in the loss's units (samples, or tokens on token data):
+    `units_per_micro` is what one micro-batch on every rank holds of them (world size x
+    micro-batch x units per sample). The decision is a function of all-reduced numbers, the
+    same on every rank; its state (N, the sizes used) is saved in checkpoints."""
+
+    def __init__(self, scale: float, initial: int, lowest: int, highest: int, every: int,
+                 units_per_micro: float):
+        self.scale, self.lowest, self.highest, self.every = scale, lowest, highest, every
+        self.units_per_micro = units_per_micro
+        self.size = initial
+        self.used = [initial]
+
+    def accum_steps(self, epoch: int) -> int:
+        return self.size
+
+    def target(self, b_simple: float) -> int | None:
+        """The window size for a measured B_simple (None: no decision, B_simple unknown)."""
+        if math.isnan(b_simple):
+            return None
+        want = self.scale * b_simple / self.units_per_micro
+        n = self.highest if math.isinf(want) else math.floor(want + 0.5)
+        return min(self.highest, max(self.lowest, n))
+
+    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+        if noise is None or step % self.every:
+            return
+        n = self.target(noise.current().get("noise_scale", math.nan))  # collective
+        if n is not None and n != self.size:
+            self.size = n
+            if n not in self.used:
+                self.used.append(n)
+
+    def sizes(self, max_epochs: int) -> list[int]:
+        return sorted(self.used)
+
+    def largest(self, max_epochs: int) -> int:
+        return self.highest
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "used": list(self.used)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.size, self.used = state["size"], list(state["used"])
+
+
+def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int,
+                   units_per_sample: float = 1.0) -> Schedule:
+    """units_per_sample: of the loss's unit (tokens per sequence on token-normalised data)."""
     if isinstance(cfg, ConstantScheduleConfig):
         return ConstantSchedule(cfg.accum_steps)
     if isinstance(cfg, EpochwiseScheduleConfig):
         return EpochwiseSchedule(cfg.accum_steps_by_epoch)
+    if isinstance(cfg, AdaptiveScheduleConfig):
+        return AdaptiveSchedule(cfg.scale, cfg.initial_accum_steps, cfg.min_accum_steps,
+                                cfg.max_accum_steps, cfg.every,
+                                world_size * micro_batch_size * units_per_sample)
     per_window, rem = divmod(cfg.global_batch_size, world_size * micro_batch_size)
     assert rem == 0 and per_window >= 1, "validated in config.validate"
     return ConstantSchedule(per_window)
@@ -85,20 +186,31 @@ class Window:
         return self.stop - self.start
 
 
-def plan_epoch(shard: Shard, micro_batch_size: int, accum_steps: int) -> list[Window]:
-    """Cut one rank's epoch into windows of accum_steps micro-batches. The last micro-batch may
-    be short (data not a multiple of the micro-batch) and the last window may hold fewer
-    micro-batches; both are counted exactly, and the sampler's repeats are told apart from real
-    samples, so the loss can be normalised per real sample. The windows' micro-batches are the
-    same on every rank; only ``real`` differs between ranks."""
+def micro_batches(shard: Shard, micro_batch_size: int) -> int:
+    """Micro-batches in one rank's epoch (the last one may be short)."""
+    return -(-len(shard) // micro_batch_size)
+
+
+def cut_window(shard: Shard, micro_batch_size: int, start: int, accum_steps: int) -> Window:
+    """The window of accum_steps micro-batches from micro-batch `start` of one rank's epoch,
+    fewer where the epoch ends. The last micro-batch may be short (data not a multiple of the
+    micro-batch); both are counted exactly, and the sampler's repeats are told apart from real
+    samples, so the loss can be normalised per real sample. The window's micro-batches are the
+    same on every rank; only ``real`` differs between ranks. The loop cuts one window at a
+    time, so N may change inside an epoch (schedule=adaptive)."""
     local_samples = len(shard)
-    num_batches = -(-local_samples // micro_batch_size)
-    windows = []
-    for start in range(0, num_batches, accum_steps):
-        stop = min(start + accum_steps, num_batches)
-        first, last = start * micro_batch_size, min(stop * micro_batch_size, local_samples)
-        windows.append(Window(start, stop, last - first, shard.real(first, last),
-                              shard.global_real(first, last)))
+    stop = min(start + accum_steps, micro_batches(shard, micro_batch_size))
+    first, last = start * micro_batch_size, min(stop * micro_batch_size, local_samples)
+    return Window(start, stop, last - first, shard.real(first, last),
+                  shard.global_real(first, last))
+
+
+def plan_epoch(shard: Shard, micro_batch_size: int, accum_steps: int) -> list[Window]:
+    """One rank's epoch cut into windows of accum_steps micro-batches (cut_window's)."""
+    windows, start = [], 0
+    while start < micro_batches(shard, micro_batch_size):
+        windows.append(cut_window(shard, micro_batch_size, start, accum_steps))
+        start = windows[-1].stop
     return windows
 
 
@@ -109,7 +221,8 @@ def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: i
 
 def total_optimizer_steps(schedule, max_epochs: int, max_steps: int, local_samples: int,
                           micro: int) -> int:
-    """Optimizer steps the run will take: the LR scheduler's horizon and the progress bar's."""
+    """Optimizer steps a fixed schedule takes: the LR scheduler's horizon and the progress
+    bar's (an adaptive one's are counted in samples: train/lr_scaling.py horizon)."""
     total, per_accum = 0, {}  # an epoch's windows depend on its accum_steps alone
     for e in range(max_epochs):
         accum = schedule.accum_steps(e)

@@ -1,11 +1,11 @@
 """The complete training state, captured on every rank and restored exactly.
 
 What a checkpoint holds: every stateful component (anything in ``components`` with a
-``state_dict``: model, optimizer, LR scheduler, GradScaler, and the sync policy and schedule as
-soon as they keep state), the loop's ``Progress`` (steps, windows, epoch, position in the epoch,
-counters), and per rank (``ranks[r]``) its RNG states and its own counters (communication,
+``state_dict``: model, optimizer, LR scheduler, GradScaler, the sync policy, schedule and
+noise meter once they keep state), the loop's ``Progress`` (steps, windows, epoch, position in
+the epoch, counters), and per rank (``ranks[r]``) its RNG states and its own counters (comms,
 overflow handling), plus the config and its hash. The sampler needs no state of its own: its
-order is a function of (seed, epoch) and its position is ``Progress.epoch_step``; the loss
+order is a function of (seed, epoch) and its position is ``Progress.epoch_micro``; the loss
 normaliser's state lives inside one window. Everything is plain tensors, numbers, strings,
 lists and dicts, so it loads with ``weights_only=True``.
 """
@@ -52,7 +52,8 @@ def components(p: Parts, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """skip: components kept elsewhere (a sharded engine's model and optimizer)."""
     candidates = {"model": p.engine, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
-                  "policy": p.policy, "schedule": p.schedule}
+                  "policy": p.policy, "schedule": p.schedule,
+                  "noise_scale": p.noise}
     return {k: v for k, v in candidates.items() if hasattr(v, "state_dict") and k not in skip}
 
 
