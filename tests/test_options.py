@@ -20,6 +20,7 @@ from gradsync.components import ConfigError, hints, locate, parameters
 from gradsync.config.schema import (
     SCHEDULES,
     LossConfig,
+    LRScalingConfig,
     PrecisionConfig,
     TrainerConfig,
 )
@@ -37,6 +38,7 @@ CHOICES = {"": [], "model=transformer": ["model=transformer", "data=synthetic_lm
            "schedule=constant": ["schedule=constant"],
            "schedule=epochwise": ["schedule=epochwise"],
            "schedule=global_batch": ["schedule=global_batch", "schedule.global_batch_size=64"],
+           "schedule=adaptive": ["schedule=adaptive"],
            "precision=fp16": ["precision=fp16"], "model=mlp": ["model=mlp"]}
 BIG = 10**15  # a size no machine holds (bytes, samples, parameters)
 
@@ -66,6 +68,8 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.fail_at_step"): [0, -2],
     ("", "trainer.requeue"): "true or false: both are choices",
     ("", "trainer.find_unused_parameters"): "true or false: both are choices",
+    ("", "trainer.noise_scale"): "true or false: both are choices",
+    ("", "trainer.noise_scale_decay"): [0, -0.5, 1.0, 1.5],
     ("", "trainer.trace_sync"): "true or false: both are choices",
     # sharded engines' settings: refused on the DDP engines, checked against the model there
     ("", "trainer.fsdp_units"): ["", "nope*", "0"],
@@ -78,6 +82,14 @@ OPTIONS: dict[tuple[str, str], list | str] = {
         ["2", [2], {1: 2}, {0: 0}, {0: 2, -1: 2}, {0: "2"}, {0: True}, {0: 1.5}],
     ("schedule=global_batch", "schedule.name"): ["linear"],
     ("schedule=global_batch", "schedule.global_batch_size"): [0, -64, 48],
+    ("schedule=adaptive", "schedule.name"): ["linear"],
+    ("schedule=adaptive", "schedule.scale"): [0, -1.0],
+    ("schedule=adaptive", "schedule.initial_accum_steps"): [0, -1, 2**21],
+    ("schedule=adaptive", "schedule.min_accum_steps"): [0, -1, 10**9],
+    ("schedule=adaptive", "schedule.max_accum_steps"): [0, -1, 2**21],
+    ("schedule=adaptive", "schedule.every"): [0, -1],
+    ("", "lr_scaling.name"): ["cubic", ""],
+    ("", "lr_scaling.reference_batch"): [-1],
     ("precision=fp16", "precision.name"): ["fp64", "int8"],
     ("precision=fp16", "precision.init_scale"): [0, -1.0, 1e39],
     ("precision=fp16", "precision.growth_interval"): [0, -1, 2**31, 10**20],
@@ -154,7 +166,7 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
     found: dict[tuple[str, str], typing.Any] = {}
     for choice, group, cls in [("", "trainer", TrainerConfig), ("precision=fp16", "precision",
                                                                PrecisionConfig),
-                               ("", "loss", LossConfig),
+                               ("", "loss", LossConfig), ("", "lr_scaling", LRScalingConfig),
                                *((f"schedule={n}", "schedule", c) for n, c in SCHEDULES.items())]:
         for name, hint in typing.get_type_hints(cls).items():
             found[choice, f"{group}.{name}"] = hint

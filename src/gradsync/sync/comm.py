@@ -250,5 +250,6 @@ def install_counting_hook(ddp, inner: InnerHook | None = None,
     """counts: counters that other all-reduces of the run (a policy's averaging) also fill;
     probe: where the noise scale's squared norms go (train/noise_scale.py)."""
     counts = counts if counts is not None else CommCounts()
-    ddp.register_comm_hook(CountingState(counts, inner or InnerHook(), probe), counting_hook)
+    ddp.register_comm_hook(CountingState(counts, inner or InnerHook(), probe=probe),
+                           counting_hook)
     return counts
