@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -231,6 +232,11 @@ MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
 
 def main() -> None:
     global _inspecting
+    # The job process computes little (the config check builds the data and a meta model): one
+    # intra-op thread. With more, OpenMP starts its thread team here, and a rank forked from this
+    # process inherits that team's state without its threads: its first parallel GEMM waits
+    # forever (libgomp is not fork-safe). Each rank sets its own threads (run/worker.py).
+    torch.set_num_threads(1)
     slurm.adopt_srun_ranks()  # a plain srun task becomes an env:// rank, as under torchrun
     if env_launched() and MULTIRUN_FLAGS & set(sys.argv[1:]):
         # Each job of a sweep joins a process group again through the same torchrun store,
