@@ -97,6 +97,7 @@ def load(p: Parts, path: Path, rank: int, group: Any) -> Progress:
                                           window, p.world_size)
         assert found is not None, "refused before the ranks started (refuse_misaligned)"
         state.epoch, state.epoch_step = found
+        state.epoch_micro = state.epoch_step * window  # full windows before this point
     return state
 
 
