@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))  # dist_pool / dist_cases for spawned ranks
 
+from cli_jobs import kill_started_jobs  # noqa: E402
 from dist_pool import DistPool  # noqa: E402
+from resume_harness import References  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +46,21 @@ def pool2():
     yield p
     if p.pool is not None:
         p.pool.close()
+
+
+@pytest.fixture(scope="session")
+def references(pool2, tmp_path_factory):
+    """Uninterrupted reference runs on the pool, each trained once per session and shared by
+    every test that compares a run of the same config with it (tests/resume_harness.py)."""
+    return References(pool2, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A test that fails half-way must not leave its command-line job (or a stopped worker)
+    running (tests/cli_jobs.py)."""
+    yield
+    kill_started_jobs()
 
 
 @pytest.fixture(scope="session")
