@@ -100,3 +100,10 @@ def cli_env_module():
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    # what the entry point registers before composing: the tests that compose with Hydra's API
+    # directly (test_sweep, test_race, test_cluster) must not rely on a test run before them
+    from gradsync.config.hydra import register_configs
+    from gradsync.run.main import register_resolvers
+
+    register_configs()
+    register_resolvers()
