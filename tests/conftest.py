@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +62,25 @@ def no_job_outlives_its_test():
     running (tests/cli_jobs.py)."""
     yield
     kill_started_jobs()
+
+
+@pytest.fixture(autouse=True)
+def new_interpreters_are_slow(request, monkeypatch):
+    """make test-fast (-m "not slow") stays fast: a test that starts a Python process (a job,
+    torchrun, a script) or make pays seconds of imports, and must be marked slow."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    init = subprocess.Popen.__init__
+
+    def refuse_interpreters(self, args, *rest, **kw):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if program.startswith(("python", "gradsync-train", "torchrun", "make")):
+            raise AssertionError(f"{request.node.nodeid} starts {program}: mark it "
+                                 "@pytest.mark.slow (make test-fast leaves it out)")
+        init(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_interpreters)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
 def long_job(run_dir: Path, *args: str, env: dict, **kw) -> Job:
-    """The long job of configs.LONG_JOB (300 steps), with more overrides."""
+    """A job of configs.LONG_JOB (300 steps), with more overrides."""
     return Job(run_dir, [*LONG_JOB, *args], env, **kw)
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, cli_environ
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.slow  # make and a Python process
 def test_make_gpu_check_without_cuda_skips_cleanly_saying_why(tmp_path):
     env = cli_environ() | {"CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTHONPATH", None)  # the target puts this checkout's src/ on it itself
