@@ -132,7 +132,7 @@ CASES = [
       for p in PRECISIONS for step in (4, 6, 10)],
     *[pytest.param(Case(f"{p} rows past the checkpoint", EXACT_RUNS[p],
                         rows_past_the_checkpoint(8, 15)), marks=SLOW) for p in PRECISIONS],
-    *[pytest.param(Case(f"{p} rank 0's dir only", EXACT_RUNS[p], rank0_dir_only), marks=SLOW)
+    *[pytest.param(Case(f"{p} rank 0 dir only", EXACT_RUNS[p], rank0_dir_only), marks=SLOW)
       for p in PRECISIONS],
     pytest.param(Case("diloco checkpoint between averagings", DILOCO_EVERY_3,
                       from_checkpoint(4), diloco_between_averagings)),
