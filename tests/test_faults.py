@@ -181,7 +181,12 @@ def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
               preexec_fn=lambda: os.umask(0o077))
     job.wait_for_step(3)
     hydra = files(run_dir / ".hydra")
+    workers = [job.worker_pid(rank) for rank in (0, 1)]
+    for pid in workers:  # paused: they would train on both cores while the second job starts
+        os.kill(pid, signal.SIGSTOP)
     code, _, err = long_job(run_dir, "seed=12", env=cli_env).finish()
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
     assert code == 2, err
     assert err.splitlines() == [
         f"gradsync: run dir in use: {run_dir} is in use by another job (pid {job.proc.pid} on "
