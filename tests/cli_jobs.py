@@ -103,6 +103,14 @@ class Job:
         return int(up.split("pid=")[1])
 
 
+def start_job(run_dir: Path, args: list[str], env: dict) -> Job:
+    return Job(run_dir, args, env)
+
+
+def kill_9_when(job: Job, marker: Path, timeout: float = 240) -> None:
+    job.kill_9_when(marker, timeout)
+
+
 def kill_started_jobs() -> None:
     """Kill every job a test started that still runs (with the processes of its session)."""
     while STARTED:
