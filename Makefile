@@ -8,8 +8,8 @@ PYTEST_ARGS ?=
 STARTUP_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint sweep race bench gpu-check gpu-check-dry gpu-wheels compat \
-	clean distclean
+.PHONY: help install train test test-fast lint sweep race bench gpu-check gpu-check-dry gpu-wheels \
+	compat clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -26,8 +26,11 @@ $(STAMP): requirements.lock pyproject.toml
 train: install ## run the default experiment (digits, MLP, 2 workers, accumulate N=4, fp32); ARGS=overrides
 	$(BIN)/gradsync-train $(ARGS)
 
-test: install ## run the whole test suite (unit + multi-process gloo tests)
+test: install ## run the whole test suite (unit + multi-process gloo tests + real jobs), what CI runs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install ## the edit loop: unit tests and 2-rank cases on the pool, no job started (-m "not slow")
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy
 	$(BIN)/ruff check src tests bench

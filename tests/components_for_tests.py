@@ -30,6 +30,13 @@ class NeverSync:
         return False
 
 
+class SyncLast:
+    """A policy of one's own with nothing but should_sync: accumulate's decisions."""
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return micro_index == window_size - 1
+
+
 class CorruptRank1After:
     """accumulate, except that rank 1 nudges one parameter after window `window`: a replica
     gone wrong, for trainer.check_replicas to catch."""

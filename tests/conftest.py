@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -11,7 +12,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))  # dist_pool / dist_cases for spawned ranks
 
+from cli_jobs import kill_started_jobs  # noqa: E402
 from dist_pool import DistPool  # noqa: E402
+from resume_harness import References  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +47,40 @@ def pool2():
     yield p
     if p.pool is not None:
         p.pool.close()
+
+
+@pytest.fixture(scope="session")
+def references(pool2, tmp_path_factory):
+    """Uninterrupted reference runs on the pool, each trained once per session and shared by
+    every test that compares a run of the same config with it (tests/resume_harness.py)."""
+    return References(pool2, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A test that fails half-way must not leave its command-line job (or a stopped worker)
+    running (tests/cli_jobs.py)."""
+    yield
+    kill_started_jobs()
+
+
+@pytest.fixture(autouse=True)
+def new_interpreters_are_slow(request, monkeypatch):
+    """make test-fast (-m "not slow") stays fast: a test that starts a Python process (a job,
+    torchrun, a script) or make pays seconds of imports, and must be marked slow."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    init = subprocess.Popen.__init__
+
+    def refuse_interpreters(self, args, *rest, **kw):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if program.startswith(("python", "gradsync-train", "torchrun", "make")):
+            raise AssertionError(f"{request.node.nodeid} starts {program}: mark it "
+                                 "@pytest.mark.slow (make test-fast leaves it out)")
+        init(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_interpreters)
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +120,10 @@ def cli_env_module():
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    # what the entry point registers before composing: the tests that compose with Hydra's API
+    # directly (test_sweep, test_race, test_cluster) must not rely on a test run before them
+    from gradsync.config.hydra import register_configs
+    from gradsync.run.main import register_resolvers
+
+    register_configs()
+    register_resolvers()

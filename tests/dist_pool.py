@@ -6,6 +6,7 @@ per-rank results; an error on any rank raises here and the pool is rebuilt."""
 from __future__ import annotations
 
 import importlib
+import os
 import queue
 import traceback
 from datetime import timedelta
@@ -36,6 +37,10 @@ def _serve(rank: int, world: int, port: int, tasks, results, backend: str = "glo
         except Exception:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # every result sent
+    # no interpreter finalisation: collecting torch's module graph takes seconds per process
+    os._exit(0)
 
 
 class DistPool:

@@ -55,13 +55,39 @@ def test_autocast_probe_sees_what_the_device_runs():
     assert autocast_runs("fp32", "cuda")
 
 
-def test_the_config_check_runs_nothing_on_a_gpu():
+def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
     """bf16 runs on CPU; on CUDA validate() runs no op at all (it would put a CUDA context on
-    GPU 0 in the launcher): the GPUs' compute capability decides, in train.check_devices
-    (tests/test_slurm.py: bf16 refused below 8.0; tests/test_gpu.py on a GPU)."""
+    GPU 0 in the launcher): the GPUs' compute capability decides, in run/placement.py
+    check_cuda (tests/test_slurm.py: bf16 refused below 8.0; tests/test_gpu.py on a GPU). The
+    probe that runs an op is watched: on CPU ranks it decides (a probe that says no refuses
+    the config), for nccl ranks it is never asked, and nothing initialises CUDA."""
+    from gradsync.train import precision
+
+    asked: list[tuple[str, str]] = []
+    probe = precision.autocast_runs
+
+    def watched(name: str, device_type: str) -> bool:
+        asked.append((name, device_type))
+        return probe(name, device_type)
+
+    def no_cuda() -> None:
+        raise AssertionError("validate() initialised CUDA")
+
+    monkeypatch.setattr(precision, "autocast_runs", watched)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    monkeypatch.setattr(torch.cuda, "init", no_cuda)
     cfg = compose_plain(["precision=bf16", "sync=amp_aware"])
-    validate(cfg)
-    validate(cfg, Placement("nccl", 2))
+    assert validate(cfg).precision.name == "bf16"
+    assert asked == [("bf16", "cpu")]  # the op ran, on the CPU
+    del asked[:]
+    assert validate(cfg, Placement("nccl", 2)).precision.name == "bf16"
+    assert asked == []  # no op at all
+
+    # the probe really decides on CPU ranks, and only there
+    monkeypatch.setattr(precision, "autocast_runs", lambda name, device_type: name != "bf16")
+    with pytest.raises(ConfigError, match=r"^precision.name='bf16' cannot run on cpu"):
+        validate(cfg)
+    assert validate(cfg, Placement("nccl", 2)).precision.name == "bf16"
 
 
 def test_fp16_all_reduce_needs_the_fp16_scaler():

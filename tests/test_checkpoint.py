@@ -123,6 +123,7 @@ def test_a_sidecar_without_its_keys_is_corrupt_and_resume_auto_falls_back(tmp_pa
         resolve_resume(str(step[40]), tmp_path / "new", cfg, 2, [])
 
 
+@pytest.mark.slow  # a Python process of its own, under its own file size limit
 def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(tmp_path):
     """RLIMIT_FSIZE makes a write past its bytes fail (EFBIG) as a full disk does (ENOSPC):
     every atomic writer raises the error, keeps the old file and removes its temporary one."""

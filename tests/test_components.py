@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dist_cases
-from components_for_tests import NeverSync
-from configs import plain_cfg
+from components_for_tests import SyncLast
+from configs import SAME, losses, plain_cfg
 from conftest import REPO
 from gradsync.config.validate import validate
 from gradsync.sync.policy import as_policy
@@ -35,14 +35,38 @@ def with_policy(target: str, extra: list[str] = (), **kwargs) -> dict:
     return cfg
 
 
-def test_a_policy_needs_only_should_sync():
-    p = as_policy(NeverSync())
-    assert p.name == "NeverSync" and not p.syncs_parameters
+@pytest.mark.dist
+def test_a_policy_needs_only_should_sync(pool2, tmp_path):
+    """A class with should_sync alone gets the base class's defaults, and they change nothing:
+    the plain all-reduce, no early end of a window, no averaging of the model. Syncing a
+    window's last micro-batch only, it trains bitwise what the built-in accumulate trains:
+    the same rows, counters and parameters."""
+    p = as_policy(SyncLast())
+    assert p.name == "SyncLast" and not p.syncs_parameters and not p.own_replicas
     assert p.comm_hook().wire_dtype is None and p.replicas_in_sync()
-    assert not p.window_doomed(None, 0, 2)  # type: ignore[arg-type]
+    model = torch.nn.Linear(3, 2)
+    assert p.bind(model) == []  # the engine all-reduces every parameter
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not p.window_doomed(model, 0, 2)
     p.after_step(True)
-    p.after_window(torch.nn.Linear(1, 1), 1)
-    p.finish(torch.nn.Linear(1, 1))
+    p.start(model, 0)
+    p.after_window(model, 1)
+    p.finish(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert p.replica_drift is None and p.averaging is None
+
+    own, _ = pool2.run(dist_cases.train_run_rows, with_policy("components_for_tests.SyncLast"),
+                       str(tmp_path / "own"))
+    built_in, _ = pool2.run(dist_cases.train_run_rows,
+                            with_policy("gradsync.sync.policies.AccumulateSync"),
+                            str(tmp_path / "accumulate"))
+    assert (own["summary"]["sync_policy"], built_in["summary"]["sync_policy"]) == (
+        "SyncLast", "accumulate")
+    assert own["summary"]["sync_backwards"] == [own["summary"]["optimizer_steps"]] * 2
+    assert losses(own["rows"]) == losses(built_in["rows"])
+    assert {k: own["summary"][k] for k in SAME} == {k: built_in["summary"][k] for k in SAME}
+    for name, value in built_in["params"].items():
+        assert torch.equal(own["params"][name], value), name
 
 
 def test_data_is_built_once_per_process_and_from_the_seed_alone():

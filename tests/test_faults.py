@@ -1,195 +1,35 @@
 """Faults through the real command line (python -m gradsync.run.main, real signals, real kills):
-a job killed with SIGKILL, stopped by SIGTERM or a Ctrl-C, then resumed, ends bit for bit where
-an uninterrupted run ends; a failing worker ends the job quickly, naming its rank, and leaves no
-process behind; an incompatible resume is refused without touching the run."""
+a failing worker ends the job quickly, naming its rank, and leaves no process behind; one job
+per run dir; a full disk is reported as itself. (Jobs stopped by SIGTERM, Ctrl-C, kill -9 and
+then resumed bitwise: tests/test_resume.py.)"""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
-import random
 import resource
 import shlex
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
 import torch.distributed as dist
 
-import dist_cases
-from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
+from cli_jobs import Job
+from configs import LONG_JOB
 from gradsync.run import faults, launch
 from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-# 60 epochs, so that a signal sent while it trains lands well before its end (the ranks agree on
-# a stop within about 0.1 s, which may be tens of these tiny steps). log_every is beyond the run:
-# rows reach metrics.jsonl only through the flush before every checkpoint (and at a stop), so a
-# kill -9 that loses rows pending at a checkpoint shows.
-ARGS = [*EXACT_RESUME, "trainer.max_epochs=60", "trainer.log_every=1000",
-        "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3", "seed=11"]
-STEPS = 60 * STEPS_PER_EPOCH
 
-
-class Job:
-    """A gradsync-train process in its own session (a terminal's process group), with every
-    process it started recorded while it runs."""
-
-    def __init__(self, run_dir: Path, *args: str, env: dict,
-                 launcher: tuple[str, ...] = ("-m", "gradsync.run.main"), preexec_fn=None):
-        self.run_dir = run_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, *launcher, f"hydra.run.dir={run_dir}", *ARGS, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True, preexec_fn=preexec_fn)
-        self.seen: dict[int, float] = {}  # pid -> create_time of every descendant
-        STARTED.append(self)
-
-    def _record(self) -> None:
-        try:
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
-                self.seen.setdefault(child.pid, child.create_time())
-        except psutil.Error:
-            pass
-
-    def step(self) -> int:
-        path = self.run_dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        for line in reversed(lines):
-            try:
-                return json.loads(line)["step"]
-            except ValueError:
-                continue  # a row being written
-        return 0
-
-    def wait_for_step(self, step: int, timeout: float = 240) -> int:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self._record()
-            now = self.step()
-            if now >= step:
-                return now
-            assert self.proc.poll() is None, f"job ended before step {step}: {self.finish()}"
-            time.sleep(0.01)
-        raise AssertionError(f"step {step} not reached in {timeout}s")
-
-    def finish(self, timeout: float = 240) -> tuple[int, str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
-
-    def survivors(self, wait: float = 10) -> list[int]:
-        """Recorded processes still running after the job ended (zombies count as gone)."""
-        end = time.monotonic() + wait
-        while True:
-            alive = []
-            for pid, created in self.seen.items():
-                try:
-                    p = psutil.Process(pid)
-                    if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(pid)
-                except psutil.NoSuchProcess:
-                    pass
-            if not alive or time.monotonic() > end:
-                return alive
-            time.sleep(0.2)
-
-    def worker_pid(self, rank: int) -> int:
-        text = (self.run_dir / "logs" / f"rank{rank}.log").read_text()
-        up = text.split(f"rank {rank}/2 up: ")[-1].splitlines()[0]
-        return int(up.split("pid=")[1])
-
-
-STARTED: list[Job] = []
-
-
-@pytest.fixture(autouse=True)
-def no_job_outlives_its_test():
-    """A test that fails half-way must not leave its job (or a stopped worker) running."""
-    yield
-    while STARTED:
-        job = STARTED.pop()
-        if job.proc.poll() is None:
-            os.killpg(job.proc.pid, signal.SIGKILL)
-            job.proc.wait()
-
-
-@pytest.fixture(scope="module")
-def reference(pool2, tmp_path_factory):
-    """The uninterrupted run, trained by the same worker code on the test pool's ranks."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(ARGS), str(run_dir))
-    assert r0["summary"]["optimizer_steps"] == STEPS
-    return run_dir, r0
-
-
-def assert_matches(run_dir: Path, reference) -> None:
-    _, ref = reference
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert losses(rows) == losses(ref["rows"])  # every step once, the same bits
-    params = checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
-    for name, value in ref["params"].items():
-        assert torch.equal(params[name], value), name
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["optimizer_steps"] == STEPS
-    assert {k: summary[k] for k in SAME} == {k: ref["summary"][k] for k in SAME}
-
-
-def test_sigterm_ctrl_c_and_kill_9_then_resume_auto_ends_bitwise_like_an_uninterrupted_run(
-        reference, tmp_path, cli_env):
-    """One preemptible job's life: SIGTERM to the job process (a scheduler), Ctrl-C (SIGINT to
-    the whole process group), kill -9 of everything at a random step, a corrupt newest
-    checkpoint; each start continues with resume=auto, and the end is the uninterrupted run."""
-    run_dir = tmp_path / "run"
-    rng = random.Random()
-    stopped = 0
-    for signum, send in [(signal.SIGTERM, lambda job: job.proc.send_signal(signal.SIGTERM)),
-                         (signal.SIGINT, lambda job: os.killpg(job.proc.pid, signal.SIGINT))]:
-        job = Job(run_dir, *(["resume=auto"] if stopped else []), env=cli_env)
-        seen = job.wait_for_step(stopped + rng.randint(5, 20))
-        send(job)
-        code, _, err = job.finish()
-        name = signal.Signals(signum).name
-        assert code == 128 + signum, err
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert (summary["status"], summary["stopped_by"]) == ("interrupted", name)
-        stopped = summary["optimizer_steps"]
-        assert seen <= stopped < STEPS
-        print(f"{name} sent at step {seen}: all ranks stopped after step {stopped}")
-        assert f"stopped by {name} after optimizer step {stopped}" in err and "resume=auto" in err
-        assert summary["checkpoint"] == str(checkpoint.step_path(run_dir / "checkpoints", stopped))
-        assert job.survivors() == []
-
-    job = Job(run_dir, "resume=auto", env=cli_env)
-    target = stopped + rng.randint(25, 40)  # at least two checkpoints after the last stop
-    job.wait_for_step(target)
-    os.killpg(job.proc.pid, signal.SIGKILL)  # the job and its workers, no chance to clean up
-    code, _, _ = job.finish()
-    assert code == -signal.SIGKILL and job.step() < STEPS, f"target {target}"
-    assert job.survivors() == []
-    newest, previous = checkpoint.complete(run_dir / "checkpoints")[:2]
-    assert int(previous.stem.split("_")[1]) > stopped, f"target {target}"
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # a flipped byte inside the tensors: torch.load would not see
-    newest.write_bytes(bytes(data))
-
-    job = Job(run_dir, "resume=auto", env=cli_env)
-    code, _, err = job.finish()
-    assert code == 0, err
-    assert f"skipping {newest}: corrupt checkpoint" in err
-    assert f"resuming from {previous}" in err
-    assert_matches(run_dir, reference)
-    info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["resumed_from"] == str(previous) and len(info["previous_starts"]) == 3
+def long_job(run_dir: Path, *args: str, env: dict, **kw) -> Job:
+    """A job of configs.LONG_JOB (300 steps), with more overrides."""
+    return Job(run_dir, [*LONG_JOB, *args], env, **kw)
 
 
 # The launcher run as another local user would like it to run: whenever it is handed the name
@@ -255,7 +95,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
             "hung": ["trainer.timeout_s=10"]}[how]
     launcher = ("-c", PLANTING_LAUNCHER, str(marker)) if how == "killed" else ("-m",
                                                                               "gradsync.run.main")
-    job = Job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
+    job = long_job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
     job.wait_for_step(4)
     if how == "raises":  # the store listens on loopback only; what a stranger writes is ignored
         (address, port), = listening_sockets(job.proc.pid)
@@ -337,11 +177,16 @@ def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
     exit code 130, saying SIGINT, and the printed resume command pastes into a shell. Then
     refused starts in the finished run dir leave every file byte-identical."""
     run_dir = tmp_path / "run dir"
-    job = Job(run_dir, "trainer.log_every=1", "trainer.max_epochs=100000", env=cli_env,
+    job = long_job(run_dir, "trainer.log_every=1", "trainer.max_epochs=100000", env=cli_env,
               preexec_fn=lambda: os.umask(0o077))
     job.wait_for_step(3)
     hydra = files(run_dir / ".hydra")
-    code, _, err = Job(run_dir, "seed=12", env=cli_env).finish()
+    workers = [job.worker_pid(rank) for rank in (0, 1)]
+    for pid in workers:  # paused: they would train on both cores while the second job starts
+        os.kill(pid, signal.SIGSTOP)
+    code, _, err = long_job(run_dir, "seed=12", env=cli_env).finish()
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
     assert code == 2, err
     assert err.splitlines() == [
         f"gradsync: run dir in use: {run_dir} is in use by another job (pid {job.proc.pid} on "
@@ -367,7 +212,7 @@ def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
     before = files(run_dir)
     for args, refused in [(["seed=12"], "resume refused: "),
                           (["resume=auto", "trainer.timeout_s=0"], "config error: ")]:
-        code, _, err = Job(run_dir, *args, env=cli_env).finish()
+        code, _, err = long_job(run_dir, *args, env=cli_env).finish()
         assert code == 2 and err.startswith(f"gradsync: {refused}"), err
         assert files(run_dir) == before  # .hydra/ and train.log included
         assert [p.name for p in run_dir.glob(".*")] == [".hydra"]
@@ -381,7 +226,7 @@ def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))
 
-    code, _, err = Job(run_dir, "trainer.max_steps=12", env=cli_env,
+    code, _, err = long_job(run_dir, "trainer.max_steps=12", env=cli_env,
                        preexec_fn=small_files).finish()
     assert code == 1, err
     ckpt = checkpoint.step_path(run_dir / "checkpoints", 10)
@@ -393,27 +238,8 @@ def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path
 
     run_dir = tmp_path / "run2"
     (run_dir / "run_info.json.tmp").mkdir(parents=True)  # where run_info.json is written
-    code, _, err = Job(run_dir, env=cli_env).finish()
+    code, _, err = long_job(run_dir, env=cli_env).finish()
     assert code == 1, err
     assert err.strip().splitlines()[-1] == (
         f"gradsync: error: IsADirectoryError: [Errno 21] Is a directory: "
         f"'{run_dir / 'run_info.json.tmp'}'")
-
-
-def test_an_incompatible_resume_is_refused_and_the_run_left_untouched(
-        reference, tmp_path, cli_env):
-    run_dir = tmp_path / "run"
-    shutil.copytree(reference[0], run_dir)
-
-    def snapshot() -> dict[str, bytes]:
-        return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
-                if p.is_file() and ".hydra" not in p.parts and p.name != "train.log"}
-
-    before = snapshot()
-    code, _, err = Job(run_dir, "resume=auto", "model.hidden_sizes=[32]", env=cli_env).finish()
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gradsync: resume refused: "), err
-    assert ("was trained with model.hidden_sizes=[16], this run has model.hidden_sizes=[32]"
-            in lines[0])
-    assert snapshot() == before

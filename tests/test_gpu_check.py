@@ -29,6 +29,7 @@ def make_gpu_check(tmp_path, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_make_gpu_check_without_a_gpu_skips_cleanly_saying_why(tmp_path):
     env = cli_environ() | {"CUDA_VISIBLE_DEVICES": ""}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
@@ -43,6 +44,7 @@ def test_make_gpu_check_without_a_gpu_skips_cleanly_saying_why(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
 def test_a_gpu_machine_whose_torch_cannot_use_it_fails_saying_why(tmp_path):
     """nvidia-smi on PATH (here a stand-in) says the machine has a GPU: a CPU-only torch, or a

@@ -2,8 +2,9 @@
 run_training: rules that change nothing train bitwise what no rules train; a bf16 group moves
 exactly half its bytes and the rest the same; a group with `every: K` is bitwise equal across
 ranks right after each averaging while the rest is equal at every step; `every: 1` with SGD +
-momentum trains what no rules train up to rounding; a job killed by SIGKILL between two
-averagings resumes bitwise; bad rules are one-line config errors; +inspect=params."""
+momentum trains what no rules train up to rounding; bad rules are one-line config errors;
++inspect=params. (A job killed by SIGKILL between two averagings resumes bitwise:
+tests/test_resume.py.)"""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import pytest
 import torch
 
 import layer_sync_cases
-from cli_jobs import kill_9_when, start_job
 from configs import SAME, losses, plain_cfg
 from gradsync.config.validate import ConfigError, validate
 from gradsync.run.main import compose_plain
-from gradsync.train import checkpoint
+from resume_harness import Run
 
 pytestmark = [pytest.mark.dist]
 
@@ -42,6 +42,9 @@ BIASES_BF16 = groups('params: "*.bias", comm_dtype: bf16, name: biases')
 # checkpoints after windows 3, 6, 9 fall between two averagings
 EVERY_4 = [*RUN, groups('params: "0.*", every: 4, name: first'), "trainer.checkpoint_every=3"]
 AVERAGED = {4, 8, 12, "finish"}  # finish: nothing left to average
+# its reference, shared with tests/test_resume.py (which kills a job of it between averagings)
+EVERY_4_RUN = Run(tuple(EVERY_4), windows_per_epoch=4, keys=(*SAME, "allreduce_groups"),
+                  record=layer_sync_cases.recorded_run)
 
 
 def run(pool2, tmp_path_factory, overrides: list[str]) -> list[dict]:
@@ -60,8 +63,8 @@ def biases_fp32(pool2, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def every_4(pool2, tmp_path_factory):
-    return run(pool2, tmp_path_factory, EVERY_4)
+def every_4(references):
+    return references.get(EVERY_4_RUN).ranks
 
 
 def groups_of(r: dict) -> dict:
@@ -156,29 +159,6 @@ def test_fp16_an_overflow_in_an_every_group_on_one_rank_skips_the_step_on_both(
         assert torch.equal(a["2.weight"], b["2.weight"]), w
     for r in (r0, r1):  # window 2 moved nothing on either rank
         assert torch.equal(r["snaps"][0][1]["0.weight"], r["snaps"][1][1]["0.weight"])
-
-
-@pytest.mark.slow
-def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(
-        every_4, pool2, tmp_path, cli_env):
-    """The real command line dies by SIGKILL (the job and its workers) after a checkpoint
-    between two averagings; resume=auto in the run dir continues from it on the pool's ranks."""
-    run_dir = tmp_path / "run"
-    kill_9_when(start_job(run_dir, EVERY_4, cli_env),
-                run_dir / "checkpoints" / "step_00000003.json")
-    start = checkpoint.load(checkpoint.complete(run_dir / "checkpoints")[0])
-    windows = start["progress"]["windows"]
-    assert windows < WINDOWS and windows % 4, windows  # between two averagings
-    own = [r["own"]["model"]["0.weight"] for r in start["ranks"]]
-    assert not torch.equal(own[0], own[1])  # each rank's replica is kept
-    resumed = pool2.run(layer_sync_cases.recorded_run, plain_cfg([*EVERY_4, "resume=auto"]),
-                        str(run_dir))
-    ref = every_4[0]
-    assert losses(resumed[0]["rows"]) == losses(ref["rows"])
-    keys = (*SAME, "allreduce_groups")
-    assert {k: resumed[0]["summary"][k] for k in keys} == {k: ref["summary"][k] for k in keys}
-    for name, value in ref["params"].items():
-        assert torch.equal(resumed[0]["params"][name], value), name
 
 
 # --- bad rules: one line each, before any worker starts ----------------------------------------

@@ -2,11 +2,10 @@
 H=1 with SGD + momentum trains accumulate's parameters; DiLoCo with outer lr 1 and no momentum is
 local SGD bit for bit; the replicas are bitwise equal right after every averaging and apart in
 between; every averaging moves exactly the model's bytes; an fp16 overflow on one rank only skips
-that rank's step and the averagings stay on schedule; bad options are refused."""
+that rank's step and the averagings stay on schedule; bad options are refused. (Resuming between
+two averagings, from a checkpoint and after a kill -9: tests/test_resume.py.)"""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -184,76 +183,6 @@ def test_bad_options_are_one_line_config_errors(args, expected):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert expected in str(e.value) and "\n" not in str(e.value)
-
-
-# DiLoCo with AdamW inside, dropout (each rank its own masks), fp16 with rank 1's scaler backed
-# off at window 2: checkpoints every 2 windows, averagings every 3.
-RESUME = [*RUN, "optimizer=adamw", "optimizer.lr=0.01", "model.dropout=0.1", "precision=fp16",
-          "sync=diloco", "sync.every=3", "trainer.checkpoint_every=2",
-          "trainer.keep_checkpoints=50"]
-
-
-def test_resuming_between_two_averagings_ends_bitwise_like_the_uninterrupted_run(pool2,
-                                                                                  tmp_path):
-    from configs import SAME, losses
-    from gradsync.train import checkpoint
-
-    ref0, ref1 = pool2.run(local_sgd_cases.recorded_run, plain_cfg(RESUME),
-                           str(tmp_path / "ref"), 1, 2)
-    assert ref0["summary"]["local_skipped_steps"] == [0, 1]
-    ckpt = checkpoint.step_path(tmp_path / "ref" / "checkpoints", 4)
-    state = checkpoint.load(ckpt)  # weights_only=True
-    assert state["policy"]["in_sync"] is False and state["progress"]["windows"] == 4
-    own = [torch.cat([v.flatten() for v in r["own"]["model"].values()]) for r in state["ranks"]]
-    assert torch.equal(own[0], ref0["snaps"][3][2]) and torch.equal(own[1], ref1["snaps"][3][2])
-    assert torch.allclose(params(state), (own[0] + own[1]) / 2)  # the deployable mean
-    assert state["ranks"][1]["own"]["grad_scaler"]["scale"] == \
-        state["ranks"][0]["own"]["grad_scaler"]["scale"] / 2
-    assert state["policy"]["outer"]["state"]  # Nesterov momentum after the averaging at 3
-
-    out0, _ = pool2.run(local_sgd_cases.recorded_run, plain_cfg([*RESUME, f"resume={ckpt}"]),
-                        str(tmp_path / "resumed"))
-    assert losses(out0["rows"]) == losses(ref0["rows"])[4:]
-    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
-    assert {k: out0["summary"][k] for k in keys} == {k: ref0["summary"][k] for k in keys}
-    for name, value in ref0["ckpt"]["model"].items():
-        assert torch.equal(out0["ckpt"]["model"][name], value), name
-
-
-@pytest.mark.slow
-def test_kill_9_between_two_averagings_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(
-        pool2, tmp_path, cli_env):
-    """A real gradsync-train job and its workers die by SIGKILL after the checkpoint of window 6
-    (averagings every 7 windows); whatever it wrote after that checkpoint is removed but its
-    rows, so the resume starts between two averagings whenever the kill landed; resume=auto in
-    its run dir (the worker's own resolution, on the pool: one command-line start less) ends
-    where the uninterrupted run ends."""
-    from cli_jobs import kill_9_when, start_job
-    from configs import SAME, losses
-    from gradsync.train import checkpoint
-
-    args = [*RESUME[:-3], "sync.every=7", "trainer.max_epochs=10", "trainer.log_every=1000",
-            "trainer.checkpoint_every=3", "trainer.keep_checkpoints=50", "seed=3"]
-    ref, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(args), str(tmp_path / "ref"))
-    run_dir = tmp_path / "run"
-
-    kill_9_when(start_job(run_dir, args, cli_env), run_dir / "checkpoints" / "step_00000006.json")
-    assert not (run_dir / "summary.json").exists()
-    for other in checkpoint.complete(run_dir / "checkpoints"):
-        if other.name != "step_00000006.pt":
-            other.with_suffix(".json").unlink()
-            other.unlink()
-    newest = checkpoint.complete(run_dir / "checkpoints")[0]
-    start = checkpoint.load(newest)
-    assert start["progress"]["windows"] == 6 and start["policy"]["in_sync"] is False
-    out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*args, "resume=auto"]),
-                       str(run_dir))
-    assert Path(out["summary"]["resumed_from"]).resolve() == newest.resolve()
-    assert losses(out["rows"]) == losses(ref["rows"])  # metrics.jsonl: every window once
-    keys = (*SAME, "averagings", "local_skipped_steps", "max_replica_drift")
-    assert {k: out["summary"][k] for k in keys} == {k: ref["summary"][k] for k in keys}
-    for name, value in ref["params"].items():
-        assert torch.equal(out["params"][name], value), name
 
 
 def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():

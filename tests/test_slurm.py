@@ -1,30 +1,22 @@
 """SLURM without SLURM: its hostlists, a plain srun task's variables, GPU placement and capability
-rules, CPU threads from the affinity mask, and a preempted job (SIGUSR1 under a SLURM-like
-environment, a stand-in `scontrol` on PATH) that checkpoints, requeues itself once and, started
-again with the same command, ends bit for bit where an uninterrupted run ends.
-(Two srun-like tasks forming one job: tests/test_cluster.py.)"""
+rules, CPU threads from the affinity mask, and what a preempted job does (requeue once, with a
+stand-in `scontrol` on PATH). (A preempted job end to end, SIGUSR1, requeue and the same command
+continuing bitwise: tests/test_resume.py; two srun-like tasks forming one job:
+tests/test_cluster.py.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import stat
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-import dist_cases
-from configs import EXACT_RESUME, SAME, STEPS_PER_EPOCH, losses, plain_cfg
+from cli_jobs import fake_scontrol
 from gradsync.run import slurm
 from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index
 from gradsync.run.summary import stopped
-from gradsync.train import checkpoint
 from gradsync.train.state import to_cpu
 
 
@@ -220,16 +212,6 @@ def test_a_checkpoint_state_is_copied_to_the_cpu_keeping_its_structure():
     assert torch.equal(out["a"][0], t) and out["a"][0].device.type == "cpu"
 
 
-def fake_scontrol(tmp: Path, code: int = 0) -> tuple[Path, Path]:
-    """A directory holding an `scontrol` that records its arguments; and the record."""
-    bin_dir, record = tmp / "bin", tmp / "scontrol.calls"
-    bin_dir.mkdir(exist_ok=True)
-    script = bin_dir / "scontrol"
-    script.write_text(f'#!/bin/sh\necho "$@" >> {record}\nexit {code}\n')
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return bin_dir, record
-
-
 @pytest.mark.parametrize("requeue, code", [(True, 0), (False, 0), (True, 1)])
 def test_a_preempted_slurm_run_requeues_once_unless_told_not_to(bare_env, tmp_path, capsys,
                                                                   requeue, code):
@@ -253,70 +235,3 @@ def test_a_preempted_slurm_run_requeues_once_unless_told_not_to(bare_env, tmp_pa
     with pytest.raises(SystemExit):
         stopped(tmp_path, summary | {"stopped_by": "SIGTERM"}, True)
     assert not record.exists()
-
-
-# --- a preempted job, end to end --------------------------------------------------------------
-ARGS = [*EXACT_RESUME, "trainer.max_epochs=20", "trainer.log_every=1",
-        "trainer.checkpoint_every=25", "seed=5"]
-STEPS = 20 * STEPS_PER_EPOCH
-
-
-@pytest.fixture(scope="module")
-def reference(pool2, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("reference")
-    r0, _ = pool2.run(dist_cases.train_run_rows, plain_cfg(ARGS), str(run_dir))
-    assert r0["summary"]["optimizer_steps"] == STEPS
-    return r0
-
-
-def rows_so_far(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-def test_sigusr1_under_slurm_checkpoints_requeues_and_the_same_command_continues_bitwise(
-        reference, tmp_path, cli_env):
-    """A one-task SLURM job (its 2 workers spawned) gets SLURM's warning; the same command
-    started again (what a requeued job runs) resumes from outputs/runs/slurm-<id> by itself."""
-    bin_dir, record = fake_scontrol(tmp_path)
-    env = cli_env | {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{cli_env['PATH']}"}
-    cmd = [sys.executable, "-m", "gradsync.run.main", *ARGS]
-    run_dir = tmp_path / "outputs" / "runs" / "slurm-4242"
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        end = time.monotonic() + 240
-        while rows_so_far(run_dir / "metrics.jsonl") < 5 and job.poll() is None:
-            assert time.monotonic() < end, "no training progress"
-            time.sleep(0.01)
-        job.send_signal(signal.SIGUSR1)
-        _, err = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 128 + signal.SIGUSR1, err
-    summary = json.loads((run_dir / "summary.json").read_text())
-    stopped = summary["optimizer_steps"]
-    assert (summary["status"], summary["stopped_by"]) == ("interrupted", "SIGUSR1")
-    assert 5 <= stopped < STEPS
-    assert summary["checkpoint"] == str(checkpoint.step_path(run_dir / "checkpoints", stopped))
-    assert summary["peak_gpu_mem_mb"] is None  # the CPU's
-    assert record.read_text() == "requeue 4242\n"  # once, by the rank-0 task, after the ckpt
-    assert "requeued SLURM job 4242" in err
-
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=240)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from {summary['checkpoint']}" in again.stderr
-    assert record.read_text() == "requeue 4242\n"
-    assert list((tmp_path / "outputs" / "runs").iterdir()) == [run_dir]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert losses(rows) == losses(reference["rows"])
-    params = checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
-    for name, value in reference["params"].items():
-        assert torch.equal(params[name], value), name
-    final = json.loads((run_dir / "summary.json").read_text())
-    assert final["status"] == "completed"
-    assert {k: final[k] for k in SAME} == {k: reference["summary"][k] for k in SAME}
