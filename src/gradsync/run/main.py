@@ -218,7 +218,11 @@ MULTIRUN_FLAGS = {"-m", "--multirun", "hydra.mode=MULTIRUN"}
 
 def main() -> None:
     global _inspecting
-    slurm.adopt_srun_ranks()  # a plain srun task becomes an env:// rank, as under torchrun
+    try:  # a plain srun task becomes an env:// rank, as under torchrun
+        slurm.adopt_srun_ranks()
+    except slurm.SlurmEnvError as e:
+        print(f"gradsync: config error: {e}", file=sys.stderr)
+        sys.exit(2)
     if env_launched() and MULTIRUN_FLAGS & set(sys.argv[1:]):
         # Each job of a sweep joins a process group again through the same torchrun store,
         # which outlives the previous job's group: the second job hangs there. Refuse up front.
