@@ -94,7 +94,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     schedule = build_schedule(cfg.schedule, world_size, micro)
     total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
-                                  data.tokens_per_sample)
+                                  data.tokens_per_sample, policy.local_step)
     return Parts(
         engine=engine,
         optimizer=optimizer,
