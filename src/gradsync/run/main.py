@@ -115,7 +115,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         return _refuse(mode, run_dir, claim, "resume refused", str(e))
     claim.accept()
     try:
-        return _train(cfg, placement, mode, run_dir)
+        return _train(cfg, placement, mode, run_dir, claim.fd)
     except Exception as e:  # a full disk, say: reported as what it is, not as a config error
         if _traceback_wanted():
             raise
@@ -137,12 +137,13 @@ def _traceback_wanted() -> bool:
     return os.environ.get("GRADSYNC_TRACEBACK") == "1"
 
 
-def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: Path) -> dict:
+def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: Path,
+           lock: int | None) -> dict:
     if is_rank0():
         _write_run_info(cfg, placement, run_dir)
     started = time.perf_counter()
-    try:
-        signum, summary = launch(cfg, placement, run_dir)
+    try:  # the ranks this process starts hold the run dir's lock too
+        signum, summary = launch(cfg, placement, run_dir, lock)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
         return _fail(mode, run_dir, "training failed", str(e), 1, hard=not placement.spawns)
