@@ -420,16 +420,35 @@ def test_an_incompatible_resume_is_refused_and_the_run_left_untouched(
 
 
 def _alive(pids: dict[int, float]) -> list[int]:
-    """Of these processes (pid -> create time), those still running (a zombie holds nothing)."""
+    """Of these processes (pid -> create time), those still running. A zombie holds nothing
+    once its last thread has ended; until then (a killed process whose main thread is a zombie
+    while another of its threads is still exiting) it still holds its files."""
     alive = []
     for pid, created in pids.items():
         try:
             p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+            if p.create_time() == created and (p.status() != psutil.STATUS_ZOMBIE
+                                               or _threads_running(pid)):
                 alive.append(pid)
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def _threads_running(pid: int) -> bool:
+    """Whether a thread of process `pid` is not yet a zombie (or gone)."""
+    try:
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            state = (thread / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def _cmdline(pid: int) -> str:
