@@ -206,7 +206,8 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
 # --- data that does not divide evenly (tests/test_uneven.py) ------------------------------------
 def train_recording_steps(cfg: dict) -> dict:
     """The worker's real parts and loop (no outputs written); at every optimizer step, records
-    the parameters the window's forwards used and the gradient the step applies."""
+    the parameters the window's forwards used and the gradient the step applies (None: the
+    step leaves that parameter alone)."""
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import Progress, train
     from gradsync.train.metrics import RunLog
@@ -220,7 +221,7 @@ def train_recording_steps(cfg: dict) -> dict:
     def record(optimizer, args, kwargs):
         params = list(p.engine.module.parameters())
         steps.append(([q.detach().clone() for q in params],
-                      [q.grad.detach().clone() for q in params]))
+                      [None if q.grad is None else q.grad.detach().clone() for q in params]))
 
     p.optimizer.register_step_pre_hook(record)
     state = train(p, Progress(), RunLog(Path("."), active=False))

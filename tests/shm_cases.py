@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -11,7 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsync.models import MLP
 from gradsync.sync import shm_allreduce
 from gradsync.sync.comm import allreduce_in, install_counting_hook
-from gradsync.sync.shm_allreduce import SHM_DIR, over_shared_memory
+from gradsync.sync.shm_allreduce import over_shared_memory
+
+SHM_DIR = Path("/dev/shm")  # where named shared memory would appear (the buffer has no name)
 
 
 def leftovers() -> set[str]:
@@ -75,8 +78,27 @@ def shm_files() -> list[str]:
     return sorted(str(p) for p in Path(SHM_DIR).glob("gradsync-*"))
 
 
-def map_and_list() -> list[str]:
-    """Map a small shared buffer (rank 0 first removes stale files), then list what is left."""
+def map_and_look() -> dict:
+    """Map a small shared buffer and say what backs it: this rank's mapping of it (the line of
+    /proc/self/maps), the descriptors this process still has open on a memfd, what appeared in
+    /dev/shm meanwhile, and whether a byte rank 0 writes is seen by every rank."""
+    before = leftovers()
     slots = shm_allreduce.map_slots(1024)
     assert slots is not None
-    return sorted(leftovers())
+    start = slots.data_ptr() - shm_allreduce.ALIGN
+    line = next(ln for ln in Path("/proc/self/maps").read_text().splitlines()
+                if int(ln.split("-")[0], 16) <= start < int(ln.split()[0].split("-")[1], 16))
+    open_memfds = [os.readlink(fd) for fd in Path("/proc/self/fd").iterdir()
+                   if "memfd:" in _readlink(fd)]
+    if dist.get_rank() == 0:
+        slots[1, 0] = 42
+    dist.barrier()
+    return {"mapping": line.split(maxsplit=5)[-1], "open_memfds": open_memfds,
+            "new_files": leftovers() - before, "seen": int(slots[1, 0])}
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

@@ -12,16 +12,18 @@ import resource
 import shlex
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
 from cli_jobs import Job
 from configs import LONG_JOB
-from gradsync.run import faults, launch
+from gradsync.run import faults, launch, rundir
 from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -243,3 +245,116 @@ def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path
     assert err.strip().splitlines()[-1] == (
         f"gradsync: error: IsADirectoryError: [Errno 21] Is a directory: "
         f"'{run_dir / 'run_info.json.tmp'}'")
+
+
+def _alive(pids: dict[int, float]) -> list[int]:
+    """Of these processes (pid -> create time), those still running. A zombie holds nothing
+    once its last thread has ended; until then (a killed process whose main thread is a zombie
+    while another of its threads is still exiting) it still holds its files."""
+    alive = []
+    for pid, created in pids.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and (p.status() != psutil.STATUS_ZOMBIE
+                                               or _threads_running(pid)):
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _threads_running(pid: int) -> bool:
+    """Whether a thread of process `pid` is not yet a zombie (or gone)."""
+    try:
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            state = (thread / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if state not in ("Z", "X"):
+            return True
+    return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _ranks_started(job: Job) -> bool:
+    """Both ranks exist, recorded in job.seen (the launcher's other children: multiprocessing's
+    resource tracker when it spawns, git for run_info.json)."""
+    job._record()
+    ranks = [pid for pid in _alive(job.seen) if _cmdline(pid).startswith(sys.executable)
+             and "resource_tracker" not in _cmdline(pid)]
+    return len(ranks) >= 2
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("gradsync-*")}
+
+
+@pytest.mark.parametrize("method, stage", [("fork", "spawned"), ("spawn", "spawned"),
+                                           ("fork", "training")])
+def test_a_killed_launcher_leaves_nothing_and_its_run_dir_is_taken_only_once_all_is_gone(
+        tmp_path, cli_env, method, stage):
+    """SIGKILL to the launcher alone, the moment its ranks exist (a spawned rank is still
+    importing torch then, beside torch's resource tracker) or while they train (the shared
+    memory mapped): no process of the job survives, nothing is left in /dev/shm, and the run
+    dir's lock, which every process of the job holds, is free exactly when the last of them is
+    gone: a restart there is refused while any lives and accepted after."""
+    run_dir = tmp_path / "run"
+    lock = run_dir / rundir.LOCK
+    env = cli_env | ({"GRADSYNC_START_METHOD": "spawn"} if method == "spawn" else {})
+    shm_before = _shm_names()
+    job = long_job(run_dir, "trainer.max_epochs=100000", "trainer.log_every=1", env=env)
+    end = time.monotonic() + 240
+    if stage == "spawned":
+        while not _ranks_started(job):
+            assert job.proc.poll() is None and time.monotonic() < end, job.finish()
+            time.sleep(0.002)
+    else:
+        job.wait_for_step(1)
+        ranks = [job.worker_pid(r) for r in range(2)]
+        assert all(_holds(pid, lock) for pid in ranks)  # every rank holds the run dir's lock
+    if method == "spawn":  # the launcher's first child, started with the first rank
+        assert any("resource_tracker" in _cmdline(pid) for pid in job.seen)
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job._record()
+    # its pipes stay open while any rank lives (they inherited them): wait, do not read
+    assert job.proc.wait(timeout=60) == -signal.SIGKILL
+    refused = 0
+    while True:  # as a restart would: take the lock, or be refused
+        alive_before = _alive(job.seen)
+        try:
+            fd = rundir.take(lock)
+        except rundir.RunDirBusy:
+            assert alive_before, "refused although every process of the job had ended"
+            refused += 1
+            assert time.monotonic() < end, f"still running: {alive_before}"
+            time.sleep(0.005)
+            continue
+        taken_while = _alive(job.seen)
+        rundir.let_go(lock, fd)
+        break
+    # a process listed then may have closed its files on its way out: give it a moment
+    assert job.survivors(wait=2) == [], f"the lock was taken while {taken_while} still ran"
+    print(f"{method}, killed when {stage}: {len(job.seen)} processes, all gone; "
+          f"{refused} restarts refused before that")
+    assert _shm_names() <= shm_before

@@ -1,12 +1,9 @@
 """The shared-memory all-reduce (trainer.allreduce): gloo's result bit for bit, in several
-buckets and over several backwards, low-precision wires, the fall-back across hosts, nothing
-left in /dev/shm, and whole runs that match the process-group transport bit for bit."""
+buckets and over several backwards, low-precision wires, the fall-back across hosts, a buffer
+without a name (nothing in /dev/shm, whatever is killed), and whole runs that match the
+process-group transport bit for bit."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,6 @@ from dist_cases import train_run_rows
 from gradsync.config.validate import ConfigError, validate
 from gradsync.run.main import compose_plain
 from gradsync.run.placement import Placement
-from gradsync.sync.shm_allreduce import SHM_DIR
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -53,25 +49,15 @@ def test_ranks_on_different_hosts_fall_back_or_refuse(pool2):
     assert pool2.run(shm_cases.shm_files) == [[], []]
 
 
-def test_files_of_dead_jobs_are_removed_when_a_job_maps_its_own(pool2):
-    """A kill -9 during start-up leaves the name (it goes once every rank mapped it): the
-    next job removes files of processes that are gone, and only those."""
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid with no process now
-    me = os.getpid()
-    ticks = Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19]  # start time
-    stale = SHM_DIR / f"gradsync-{gone.pid}-{ticks}-{'0' * 32}"
-    alive = SHM_DIR / f"gradsync-{me}-{ticks}-{'1' * 32}"  # this test process: alive
-    reused = SHM_DIR / f"gradsync-{me}-1{ticks}-{'2' * 32}"  # its pid, another process
-    try:
-        for path in (stale, alive, reused):
-            path.write_bytes(b"x" * 64)
-        left = pool2.run(shm_cases.map_and_list)[0]
-        assert alive.name in left and stale.name not in left and reused.name not in left
-        assert not stale.exists() and not reused.exists() and alive.exists()
-    finally:
-        for path in (stale, alive, reused):
-            path.unlink(missing_ok=True)
+def test_the_shared_buffer_has_no_name_a_kill_could_leave_behind(pool2):
+    """Every rank maps a memfd (a buffer without a name: /proc/self/maps says
+    "/memfd:gradsync-slots (deleted)"), no descriptor of it stays open once mapped, and
+    nothing appears in /dev/shm: the kernel frees it with the last process that maps it, so no
+    kill of any process at any moment leaves anything behind."""
+    for rank in pool2.run(shm_cases.map_and_look):
+        assert rank["mapping"] == "/memfd:gradsync-slots (deleted)"
+        assert rank["open_memfds"] == [] and rank["new_files"] == set()
+        assert rank["seen"] == 42  # one buffer: rank 0's write is every rank's
 
 
 def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):

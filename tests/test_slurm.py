@@ -16,6 +16,7 @@ import torch
 from cli_jobs import fake_scontrol
 from gradsync.run import slurm
 from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index
+from gradsync.run.placement import launched_by
 from gradsync.run.summary import stopped
 from gradsync.train.state import to_cpu
 
@@ -34,9 +35,23 @@ def test_slurm_hostlists_expand_like_scontrol_show_hostnames(hostlist, hosts):
     assert slurm.expand_hostlist(hostlist) == hosts
 
 
-def test_a_bad_hostlist_range_is_refused():
-    with pytest.raises(ValueError, match="bad hostlist range '9-3'"):
-        slurm.expand_hostlist("gpu[9-3]")
+@pytest.mark.parametrize("hostlist, why", [
+    ("gpu[9-3]", "the range '9-3' runs backwards"),
+    ("gpu[01-", "a '[' is never closed"),
+    ("gpu[01-]", "[01-] holds '01-', neither a number nor a range of numbers"),
+    ("gpu[]", "[] holds '', neither a number nor a range of numbers"),
+    ("gpu01],gpu02", "a ']' closes no '['"),
+    ("gpu[0[1-2]]", "a '[' opens inside another"),
+    ("gpu01,,gpu02", "it holds an empty host name"),
+    ("", "it holds an empty host name"),
+    ("gpu 01", "'gpu 01' holds a character no host name has"),
+    ("gpu[0-9999999]", "the range '0-9999999' holds more than 100000 hosts"),
+    ("a[0-999],b[0-999]x[0-99]", "it expands to more than 100000 hosts"),
+])
+def test_a_hostlist_that_cannot_be_expanded_in_full_is_refused(hostlist, why):
+    with pytest.raises(ValueError) as e:
+        slurm.expand_hostlist(hostlist)
+    assert str(e.value) == why
 
 
 SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
@@ -45,7 +60,8 @@ SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "SUBMITIT_EXECUTOR", "SLURM_STEP_TASKS_PER_NODE",
             "SLURM_STEP_NODELIST", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID",
-            "SLURM_CPU_BIND_TYPE", "SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID", *SRUN_TASK)
+            "SLURM_CPU_BIND_TYPE", "SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID",
+            "GRADSYNC_SRUN_TASK", *SRUN_TASK)
 
 
 @pytest.fixture
@@ -67,6 +83,7 @@ def test_a_plain_srun_task_becomes_an_env_rank(bare_env):
     # task 5 is the second of the 2 tasks on node 1 of "4,2"; every task derives one port
     assert env == {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "gpu009", "MASTER_PORT": str(slurm.port_for("4242", "0"))}
+    assert launched_by() == "srun"  # GRADSYNC_SRUN_TASK=1: run_info.json's launched_by
     for key in env:  # the same task in step 3 of the job
         bare_env.delenv(key)
     bare_env.setenv("SLURM_STEP_ID", "3")
@@ -106,6 +123,81 @@ def test_which_slurm_tasks_are_adopted(bare_env, extra, adopted):
     assert ("LOCAL_WORLD_SIZE" in os.environ) == adopted
     if adopted:
         assert os.environ["MASTER_PORT"] == "29511" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+
+
+# Each malformed or inconsistent variable of a plain srun task: one line naming it and its value.
+BAD_SRUN = [
+    ({"SLURM_JOB_NODELIST": "gpu[009-003]"}, "SLURM_JOB_NODELIST='gpu[009-003]' is not allowed: "
+     "not a hostlist: the range '009-003' runs backwards"),
+    ({"SLURM_JOB_NODELIST": "gpu[01-"}, "SLURM_JOB_NODELIST='gpu[01-' is not allowed: not a "
+     "hostlist: a '[' is never closed"),
+    ({"SLURM_STEP_NODELIST": "gpu[01-02]x,"}, "SLURM_STEP_NODELIST='gpu[01-02]x,' is not "
+     "allowed: not a hostlist: it holds an empty host name"),
+    ({"SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' is not allowed: the tasks of the job step: an "
+     "integer >= 1"),
+    ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS='0' is not allowed"),
+    ({"SLURM_TASKS_PER_NODE": "2(x"}, "SLURM_TASKS_PER_NODE='2(x' is not allowed: '2(x' is not a "
+     "task count N >= 1 or N(xM)"),
+    ({"SLURM_TASKS_PER_NODE": "4,0"}, "SLURM_TASKS_PER_NODE='4,0' is not allowed: '0' is not a "
+     "task count"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4,4"}, "SLURM_STEP_TASKS_PER_NODE='4,4' is not allowed: its "
+     "8 tasks are not the SLURM_NTASKS=6 of this job step"),
+    ({"SLURM_PROCID": "6"}, "SLURM_PROCID='6' is not allowed: not a task of this job step of "
+     "SLURM_NTASKS=6 (0-5)"),
+    ({"SLURM_PROCID": "-1"}, "SLURM_PROCID='-1' is not allowed: this task's rank: an integer >= "
+     "0"),
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "5", "SLURM_TASKS_PER_NODE": "1(x2)"},
+     "SLURM_PROCID='5' is not allowed: not a task of this job step of SLURM_NTASKS=2 (0-1)"),
+    ({"SLURM_NODEID": "3", "SLURM_TASKS_PER_NODE": "3(x2)"}, "SLURM_NODEID='3' is not allowed: "
+     "not a node of this job: SLURM_TASKS_PER_NODE='3(x2)' lists 2 nodes"),
+    ({"SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu009"}, "SLURM_NODEID='1' is not allowed: "
+     "not a node of this job: SLURM_JOB_NODELIST='gpu009' lists 1 host"),
+    ({"SLURM_NODEID": "x"}, "SLURM_NODEID='x' is not allowed: this task's node: an integer"),
+    ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID='2' is not allowed: not one of the 2 tasks on this "
+     "node"),
+    ({"SLURM_TASKS_PER_NODE": "", "SLURM_NTASKS_PER_NODE": "four"}, "SLURM_NTASKS_PER_NODE="
+     "'four' is not allowed: the tasks on each node: an integer >= 1"),
+    ({"SLURM_STEP_ID": "3x"}, "SLURM_STEP_ID='3x' is not allowed: this task's job step: an "
+     "integer >= 0"),
+    ({"SLURM_JOB_ID": "42/../../etc"}, "SLURM_JOB_ID='42/../../etc' is not allowed: a SLURM job "
+     "id is a number (it names the run dir outputs/runs/slurm-<id>)"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_SRUN, ids=[str(b) for b, _ in BAD_SRUN])
+def test_a_malformed_or_inconsistent_slurm_variable_is_one_line_naming_it(bare_env, bad,
+                                                                          message):
+    for key, value in (SRUN_TASK | bad).items():
+        bare_env.setenv(key, value)
+    with pytest.raises(slurm.SlurmEnvError) as e:
+        slurm.adopt_srun_ranks()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert "RANK" not in os.environ and "MASTER_ADDR" not in os.environ  # nothing exported
+
+
+def test_a_malformed_slurm_job_id_is_refused_in_a_one_task_job_too(bare_env):
+    bare_env.setenv("SLURM_JOB_ID", "77 ")
+    with pytest.raises(slurm.SlurmEnvError, match="SLURM_JOB_ID='77 ' is not allowed"):
+        slurm.adopt_srun_ranks()
+
+
+def test_the_command_line_refuses_a_malformed_slurm_environment_before_anything_starts(
+        bare_env, tmp_path, capsys, monkeypatch):
+    """gradsync-train's entry point: exit code 2 and one line, before Hydra composes or
+    creates anything."""
+    from gradsync.run import main
+
+    for key, value in (SRUN_TASK | {"SLURM_JOB_NODELIST": "gpu[01-"}).items():
+        bare_env.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["gradsync-train", "trainer.max_steps=1"])
+    with pytest.raises(SystemExit) as e:
+        main.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gradsync: config error: SLURM_JOB_NODELIST='gpu[01-' is not allowed: not a hostlist: a "
+        "'[' is never closed"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_run_dir_and_resume_defaults_under_slurm(bare_env):

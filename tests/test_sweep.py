@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from gradsync.config.hydra import register_configs, to_plain
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import validate
-from gradsync.run import sweep
+from gradsync.run import rundir, sweep
 from gradsync.run.main import CONF_DIR
 from gradsync.train.metrics import final_metrics, flat_hparams
 from gradsync.train.schedules import build_schedule
@@ -112,7 +114,10 @@ def accum_sweep(tmp_path_factory, cli_env_module):
 @pytest.mark.slow
 def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep):
     sweep_dir, proc = accum_sweep
-    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == [
+        sweep.JOBS, "0", "1", "2"]  # the jobs' records, and the job dirs
+    assert sorted(p.name for p in (sweep_dir / sweep.JOBS).iterdir()) == [
+        "0.json", "1.json", "2.json"]
     rows = csv_rows(sweep_dir)
     assert [r["job"] for r in rows] == ["0", "1", "2"]
     for n, row, s in zip(ACCUM, rows, summaries(sweep_dir, 3), strict=True):
@@ -242,7 +247,8 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
     assert len(errors) == 2, proc.stderr
     assert errors[0] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
                          "failure after optimizer step 2 (trainer.fail_at_step, a test aid)")
-    assert errors[1] == f"gradsync: sweep: 1 of 3 jobs failed; see {sweep_dir}/sweep_summary.md"
+    assert errors[1] == ("gradsync: sweep: 1 of 3 jobs failed (job 1); see "
+                         f"{sweep_dir}/sweep_summary.md")
 
     rows = csv_rows(sweep_dir)
     assert [(r["trainer.fail_at_step"], r["status"]) for r in rows] == \
@@ -307,3 +313,71 @@ def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
     spread = next(line for line in md.splitlines() if line.startswith("Final train loss"))
     relative = float(spread.rsplit("relative ", 1)[1].rstrip(").").strip())
     assert relative < 1e-5
+
+
+# --- a sweep owns its sweep dir; a job refused or lost is a failed row ------------------------
+def test_a_second_sweep_into_a_sweep_dir_in_use_is_refused_at_once(tmp_path, cli_env):
+    """While a sweep holds its sweep dir (sweep.claim, what a running sweep did before its first
+    job), another sweep there is refused in one line, exit code 2, and runs nothing."""
+    sweep_dir = tmp_path / "sweep"
+    sweep.claim(sweep_dir)
+    try:
+        before = sorted(p.name for p in sweep_dir.iterdir())
+        proc = multirun(sweep_dir, "data=synthetic", "seed=0,1", env=cli_env)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"gradsync: sweep dir in use: {sweep_dir} is in use by another sweep (pid "
+            f"{os.getpid()} on {socket.gethostname()}): wait for it to end, or choose another "
+            "hydra.sweep.dir"]
+        assert sorted(p.name for p in sweep_dir.iterdir()) == before == [sweep.SWEEP_LOCK]
+    finally:
+        sweep.release(sweep_dir)
+    assert list(sweep_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_job_was_refused_exits_1_naming_it_and_counts_every_job(tmp_path,
+                                                                              cli_env):
+    """Job 1's dir is held by another job (a run started there by hand): job 1 is refused
+    ("run dir in use") and cannot write into that dir; the sweep still counts it, as a failed
+    row with the refusal, and exits 1 naming it; the other job's dir is left as it was."""
+    sweep_dir = tmp_path / "sweep"
+    other = sweep_dir / "1"
+    other.mkdir(parents=True)
+    (other / "summary.json").write_text('{"status": "completed"}')  # the other job's
+    with rundir.Claim(other, None, lock=True):
+        proc = multirun(sweep_dir, "data=synthetic", "trainer.max_steps=1", "seed=0,1",
+                        env=cli_env)
+    assert proc.returncode == 1, proc.stderr
+    refusal = (f"run dir in use: {other} is in use by another job (pid {os.getpid()} on "
+               f"{socket.gethostname()}): wait for it to end, or choose another hydra.run.dir")
+    assert [line for line in proc.stderr.splitlines() if line.startswith("gradsync:")] == [
+        f"gradsync: {refusal}",
+        f"gradsync: sweep: 1 of 2 jobs failed (job 1); see {sweep_dir}/sweep_summary.md"]
+    rows = csv_rows(sweep_dir)
+    assert [(r["job"], r["seed"], r["status"], r["error"]) for r in rows] == [
+        ("0", "0", "completed", ""), ("1", "1", "failed", refusal)]
+    assert "2 jobs: 1 completed, 1 failed." in (sweep_dir / "sweep_summary.md").read_text()
+    # untouched (Hydra's log file handler opens an empty train.log before gradsync runs)
+    assert (other / "summary.json").read_text() == '{"status": "completed"}'
+    assert sorted(p.name for p in other.iterdir() if p.name != "train.log") == ["summary.json"]
+    assert not (sweep_dir / sweep.SWEEP_LOCK).exists()  # released when the sweep ended
+
+
+def test_a_job_lost_without_an_outcome_is_a_failed_row_and_the_sweep_names_it(tmp_path):
+    """Written by hand (python -m gradsync.run.sweep) from the records a sweep left: job 0
+    started and never reported (its process was killed), job 1 was refused; both are rows."""
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    sweep.job_started(sweep_dir, 0, sweep_dir / "0", ["seed=0"])
+    sweep.job_started(sweep_dir, 1, sweep_dir / "1", ["seed=1"])
+    sweep.job_ended(sweep_dir, 1, sweep_dir / "1", ["seed=1"],
+                    {"status": "failed", "error": "run dir in use: busy"})
+    result = sweep.write_summary(sweep_dir)
+    assert (result.jobs, result.failed, result.failed_jobs) == (2, 2, [0, 1])
+    assert result.failure_line(sweep_dir) == (
+        f"gradsync: sweep: 2 of 2 jobs failed (jobs 0, 1); see {sweep_dir}/sweep_summary.md")
+    rows = csv_rows(sweep_dir)
+    assert [(r["seed"], r["status"], r["error"]) for r in rows] == [
+        ("0", "failed", sweep.LOST), ("1", "failed", "run dir in use: busy")]
+    assert "2 jobs: 0 completed, 2 failed." in result.markdown

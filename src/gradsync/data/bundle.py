@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from gradsync.components import (
     require,
     require_fits,
 )
+from gradsync.run.lifeline import bind_loader_worker
 from gradsync.train.repro import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
@@ -382,7 +384,10 @@ def train_loader(ds: Dataset, micro_batch_size: int, rank: int, world_size: int,
                            drop_last=False)
     loader = DataLoader(ds, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate,
                         num_workers=num_workers, generator=torch.Generator(),
-                        pin_memory=pin_memory)  # on CUDA: copies to the GPU need not wait
+                        pin_memory=pin_memory,  # on CUDA: copies to the GPU need not wait
+                        # a worker dies with this rank, as the rank with its launcher
+                        worker_init_fn=functools.partial(bind_loader_worker, os.getpid())
+                        if num_workers else None)
     return loader, sampler
 
 

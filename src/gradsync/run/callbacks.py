@@ -1,5 +1,6 @@
 """The Hydra callback of a sweep (conf/config.yaml registers it under hydra.callbacks): the
-sweep summary once a multirun ends (run/sweep.py)."""
+sweep owns its sweep dir while it runs, each job records itself and its outcome there, and the
+sweep summary is written once the multirun ends (run/sweep.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,43 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from gradsync.run import sweep
+from gradsync.run.ranks import is_rank0
+from gradsync.run.rundir import RunDirBusy
 
 
 class SweepSummary(Callback):
-    """When a multirun ends it writes the sweep summary from the job dirs, prints it, and ends
-    the sweep with exit code 1 if any job failed: sys.exit, because Hydra turns exceptions
+    """Before a multirun's first job it claims the sweep dir (a second sweep there is refused
+    in one line, exit code 2); each job records its start and its outcome in the sweep dir
+    (in whichever process runs it); when the multirun ends it writes the sweep summary from
+    those records, prints it, lets go of the sweep dir, and ends the sweep with exit code 1,
+    naming them, if any job failed or was lost: sys.exit, because Hydra turns exceptions
     raised in callbacks into warnings. target_loss
     (hydra.callbacks.sweep_summary.target_loss): the eval loss the to-target columns measure;
     null: the worst final eval loss among the completed jobs."""
 
     def __init__(self, target_loss: float | None = None) -> None:
         self.target_loss = target_loss
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:  # before anything runs: the sweep dir is this sweep's (sweep.claim)
+            sweep.claim(Path(config.hydra.sweep.dir))
+        except RunDirBusy as e:
+            print(f"gradsync: sweep dir in use: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        job = _sweep_job(config)
+        if job:
+            sweep.job_started(*job)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        job = _sweep_job(config)
+        if job:  # what the job returned, or the exception it raised
+            sweep.job_ended(*job, job_return._return_value)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -30,8 +54,20 @@ class SweepSummary(Callback):
         except Exception as e:  # a warning and exit code 0 otherwise
             print(f"gradsync: sweep summary failed: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
+        finally:
+            sweep.release(sweep_dir)
         print(f"\n{result.markdown}", flush=True)
         if result.failed:
-            print(f"gradsync: sweep: {result.failed} of {result.jobs} jobs failed; see "
-                  f"{sweep_dir / 'sweep_summary.md'}", file=sys.stderr, flush=True)
+            print(result.failure_line(sweep_dir), file=sys.stderr, flush=True)
             sys.exit(1)
+
+
+def _sweep_job(config: DictConfig) -> tuple[Path, int, Path, list[str]] | None:
+    """A multirun job's sweep dir, number, own dir and overrides (for sweep.job_*); None for a
+    single run (Hydra calls a run's job callbacks too), and on all but rank 0 of a job of
+    several submitit tasks (one record)."""
+    hc = config.hydra
+    if hc.mode != RunMode.MULTIRUN or not is_rank0():
+        return None
+    return (Path(hc.sweep.dir), int(hc.job.num), Path(hc.runtime.output_dir),
+            list(OmegaConf.to_container(hc.overrides.task)))  # type: ignore[arg-type]

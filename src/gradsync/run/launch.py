@@ -10,6 +10,12 @@ that failed first and its error, which each rank reports through a pipe of its o
 error file anyone could plant, nothing unpickled, nothing read from the store, which every local
 user can reach). A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish
 the optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
+
+Nothing outlives the launcher: every rank dies with it, however it ends (lifeline.py), and one
+that has not ended when the launcher returns or raises is killed first (Watch.close). Every
+rank holds the run dir's lock (rundir.py) for its whole life, inherited from the launcher (a
+forked rank has its descriptor; a spawned one gets it passed), so no other job starts in the
+run dir while any process of this one lives.
 """
 
 from __future__ import annotations
@@ -26,11 +32,11 @@ import sys
 import threading
 import time
 from datetime import datetime, timedelta
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import forget_built_data
@@ -42,6 +48,8 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
+from gradsync.run.lifeline import ENV as LAUNCHER_ENV
+from gradsync.run.lifeline import bind_from_environment
 from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.run.worker import worker_main
@@ -126,10 +134,12 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-def launch(cfg: RunConfig, placement: Placement, run_dir: Path) -> tuple[int, dict[str, Any]]:
+def launch(cfg: RunConfig, placement: Placement, run_dir: Path,
+           lock: int | None = None) -> tuple[int, dict[str, Any]]:
     """Train; returns the signal this launcher received that stopped the job (0: none), which
     the workers, who got it forwarded as SIGTERM, cannot know, and the run's summary (rank 0's;
-    {} on the other env:// ranks)."""
+    {} on the other env:// ranks). lock: the descriptor of the run dir's lock this process
+    holds, which every rank it starts holds too."""
     if not placement.spawns:  # this process is one rank
         try:
             summary = worker_main(placement, cfg, str(run_dir), store_port=None)
@@ -149,7 +159,7 @@ def launch(cfg: RunConfig, placement: Placement, run_dir: Path) -> tuple[int, di
         if watching:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            watch.start(placement, cfg, run_dir, store.port)
+            watch.start(placement, cfg, run_dir, store.port, lock)
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)
@@ -209,14 +219,31 @@ def _as_if_spawned() -> None:
         root.removeHandler(handler)
 
 
+class Inherited:
+    """A descriptor every rank holds for its whole life (the run dir's lock): a forked rank has
+    the launcher's already; a spawned one gets it passed when it is started (multiprocessing
+    hands the descriptors its arguments name to the new process)."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # pickled only to spawn a rank
+        return (_adopt, (None if self.fd is None else reduction.DupFd(self.fd),))
+
+
+def _adopt(passed: Any) -> Inherited:
+    return Inherited(None if passed is None else passed.detach())
+
+
 def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, port: int,
-               report: Any, summary_to: Any) -> None:
-    """A spawned (or forked, start_method) rank. It gets SIGINT when the launcher dies (it
-    checkpoints and stops, as a rank of torch's spawn does); its first error goes to the
-    launcher through `report`, and it exits with code 1 (the traceback is in
-    logs/rank<r>.log)."""
+               report: Any, summary_to: Any, lock: Inherited) -> None:
+    """A spawned (or forked, start_method) rank. It dies with its launcher (lifeline.py: a
+    spawned one bound itself when it first imported gradsync, a forked one does here, first),
+    and holds the run dir's `lock` until it ends. Its first error goes to the launcher through
+    `report`, and it exits with code 1 (the traceback is in logs/rank<r>.log); rank 0 sends the
+    run's summary through `summary_to`."""
+    bind_from_environment()
     _as_if_spawned()
-    mp._prctl_pr_set_pdeathsig(signal.SIGINT)  # type: ignore[attr-defined]
     report_to(report)
     try:
         summary = worker_main(placement, cfg, run_dir, store_port=port)
@@ -256,28 +283,42 @@ class Watch:
         self.summary: dict[str, Any] = {}  # rank 0's, once it sent it
         self.summary_from: Any = None  # the launcher's end of rank 0's summary pipe
 
-    def start(self, placement: Placement, cfg: RunConfig, run_dir: Path, port: int) -> None:
+    def start(self, placement: Placement, cfg: RunConfig, run_dir: Path, port: int,
+              lock: int | None = None) -> None:
         """Start the ranks (start_method), each with a pipe to report its error on (text, never
         pickled: no error file in a shared temporary dir), rank 0 with one more for the run's
-        summary (JSON)."""
+        summary (JSON); each with this launcher's pid in its environment (lifeline.py) and the
+        run dir's `lock`."""
         ctx: Any = multiprocessing.get_context(start_method(placement))
-        for rank in range(placement.world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            self.reports.append(reader)
-            summary_to = None
-            if rank == 0:
-                self.summary_from, summary_to = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, args=(placement.for_rank(rank), cfg,
-                                                        str(run_dir), port, writer, summary_to))
-            self.procs.append(proc)
-            try:
-                proc.start()
-            finally:
-                writer.close()  # the rank holds its own copy
-                if summary_to is not None:
-                    summary_to.close()
+        os.environ[LAUNCHER_ENV] = str(os.getpid())
+        try:
+            for rank in range(placement.world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                self.reports.append(reader)
+                summary_to = None
+                if rank == 0:
+                    self.summary_from, summary_to = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_rank_main, args=(
+                    placement.for_rank(rank), cfg, str(run_dir), port, writer, summary_to,
+                    Inherited(lock)))
+                self.procs.append(proc)
+                try:
+                    proc.start()
+                finally:
+                    writer.close()  # the rank holds its own copy
+                    if summary_to is not None:
+                        summary_to.close()
+        finally:
+            os.environ.pop(LAUNCHER_ENV, None)
 
     def close(self) -> None:
+        """Nothing this launcher started outlives it: a rank still running (the launcher is
+        leaving on an error of its own, or was interrupted while starting them) is killed."""
+        for _, proc in self._running():
+            proc.kill()
+        for proc in self.procs:
+            if proc.pid is not None:
+                proc.join()
         for conn in self.reports + ([self.summary_from] if self.summary_from else []):
             conn.close()
 

@@ -117,7 +117,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         return _refuse(mode, run_dir, claim, "resume refused", str(e))
     claim.accept()
     try:
-        return _train(cfg, placement, mode, run_dir)
+        return _train(cfg, placement, mode, run_dir, claim.fd)
     except Exception as e:  # a full disk, say: reported as what it is, not as a config error
         if _traceback_wanted():
             raise
@@ -139,13 +139,14 @@ def _traceback_wanted() -> bool:
     return os.environ.get("GRADSYNC_TRACEBACK") == "1"
 
 
-def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: Path) -> dict:
+def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: Path,
+           lock: int | None) -> dict:
     if is_rank0():
         _write_run_info(cfg, placement, run_dir)
     started = time.perf_counter()
-    try:
+    try:  # the ranks this process starts hold the run dir's lock too
         try:
-            signum, summary = launch(cfg, placement, run_dir)
+            signum, summary = launch(cfg, placement, run_dir, lock)
         finally:  # what every rank recorded, a failed run's too (engines/trace.py)
             if cfg.trainer.trace_sync and is_rank0():
                 _merge_trace(run_dir)
@@ -237,7 +238,11 @@ def main() -> None:
     # process inherits that team's state without its threads: its first parallel GEMM waits
     # forever (libgomp is not fork-safe). Each rank sets its own threads (run/worker.py).
     torch.set_num_threads(1)
-    slurm.adopt_srun_ranks()  # a plain srun task becomes an env:// rank, as under torchrun
+    try:  # a plain srun task becomes an env:// rank, as under torchrun
+        slurm.adopt_srun_ranks()
+    except slurm.SlurmEnvError as e:
+        print(f"gradsync: config error: {e}", file=sys.stderr)
+        sys.exit(2)
     if env_launched() and MULTIRUN_FLAGS & set(sys.argv[1:]):
         # Each job of a sweep joins a process group again through the same torchrun store,
         # which outlives the previous job's group: the second job hangs there. Refuse up front.

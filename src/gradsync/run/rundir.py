@@ -45,7 +45,7 @@ class Claim:
     def __enter__(self) -> Claim:
         if self.lock:
             try:
-                self.fd = _take(self.run_dir / LOCK)
+                self.fd = take(self.run_dir / LOCK)
             except RunDirBusy:
                 self.discard()
                 raise
@@ -76,23 +76,23 @@ class Claim:
                  tb: TracebackType | None) -> None:
         self.discard()
         if self.fd is not None:
-            (self.run_dir / LOCK).unlink(missing_ok=True)  # while held: see _take
-            os.close(self.fd)
+            let_go(self.run_dir / LOCK, self.fd)
             self.fd = None
 
 
-def _take(path: Path) -> int:
-    """An flock on `path`, as a descriptor. A holder removes the file before it lets go, so a
-    lock won on a file that is no longer at `path` is worthless: try again."""
+def take(path: Path, holder: str = "job", key: str = "hydra.run.dir") -> int:
+    """An flock on `path`, as a descriptor (RunDirBusy, naming the `holder` kind and the `key`
+    to change, when another process holds it). A holder removes the file before it lets go
+    (let_go), so a lock won on a file that is no longer at `path` is worthless: try again."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "starting"
+            owner = os.read(fd, 200).decode(errors="replace").strip() or "starting"
             os.close(fd)
-            raise RunDirBusy(f"{path.parent} is in use by another job ({holder}): wait for it "
-                             "to end, or choose another hydra.run.dir") from None
+            raise RunDirBusy(f"{path.parent} is in use by another {holder} ({owner}): wait "
+                             f"for it to end, or choose another {key}") from None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -102,6 +102,12 @@ def _take(path: Path) -> int:
             os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
             return fd
         os.close(fd)
+
+
+def let_go(path: Path, fd: int) -> None:
+    """Release a lock `take` gave: the file goes first, while still held (see take)."""
+    path.unlink(missing_ok=True)
+    os.close(fd)
 
 
 def remove_if_unused(run_dir: Path) -> None:

@@ -11,6 +11,14 @@ bytes it moved per optimizer step.
 Where the jobs measured the gradient noise scale (trainer.noise_scale), noise_scale.png shows
 B_simple and the window size over training, and the table its final value.
 
+A sweep owns its sweep dir: it holds a lock there from before its first job until its summary is
+written (`claim`), so a second sweep into the same dir is refused at once, before it runs
+anything. Every job it launches records itself in the sweep dir when it starts and again with
+its outcome when it ends (`job_started`, `job_ended`, in whichever process runs the job): the
+summary has one row per job this sweep launched, so a job refused before it could write into its
+own dir (that dir in use by another job) or lost without an outcome (its process killed) is a
+failed row, and the sweep exits non-zero naming it.
+
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
 axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
 left out), and the columns samples_to_target, bytes_to_target and seconds_to_target say where
@@ -32,7 +40,8 @@ from typing import Any
 
 import yaml
 
-from gradsync.train.metrics import final_metrics
+from gradsync.run.rundir import let_go, take
+from gradsync.train.metrics import final_metrics, write_json_atomic
 
 # The axes a loss is read against: a Point's attribute, the label on the plot.
 AXES = {"samples": "samples seen", "bytes": "all-reduce bytes (rank 0, log)",
@@ -88,8 +97,90 @@ def _read_job(job_dir: Path) -> Job:
                 if "noise_scale" in r])
 
 
+SWEEP_LOCK = ".gradsync-sweep.lock"  # held by the sweep's process while it runs
+JOBS = ".gradsync-jobs"  # <num>.json: each job this sweep launched, and how it ended
+LOST = ("lost: the job started but never reported an outcome (its process was killed, or the "
+        "sweep was interrupted)")
+_held: dict[Path, int] = {}  # sweep dir -> this process's lock on it
+
+
+def claim(sweep_dir: Path) -> None:
+    """Before a sweep runs anything: lock its sweep dir (RunDirBusy when another sweep holds
+    it) and forget the job records of an earlier sweep there. Held until `release`, or the
+    end of this process."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    _held[sweep_dir] = take(sweep_dir / SWEEP_LOCK, "sweep", "hydra.sweep.dir")
+    for old in (sweep_dir / JOBS).glob("*.json"):
+        old.unlink()
+
+
+def release(sweep_dir: Path) -> None:
+    fd = _held.pop(sweep_dir, None)
+    if fd is not None:
+        let_go(sweep_dir / SWEEP_LOCK, fd)
+
+
+def _record(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str],
+            outcome: dict[str, Any]) -> None:
+    """<sweep dir>/.gradsync-jobs/<num>.json; the job's dir relative to the sweep dir (a copied
+    sweep dir reads its own job dirs)."""
+    try:
+        where = str(job_dir.absolute().relative_to(sweep_dir.absolute()))
+    except ValueError:  # a hydra.sweep.subdir outside the sweep dir
+        where = str(job_dir.absolute())
+    (sweep_dir / JOBS).mkdir(exist_ok=True)
+    write_json_atomic(sweep_dir / JOBS / f"{num}.json", {
+        "num": num, "dir": where, "overrides": overrides, **outcome})
+
+
+def job_started(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str]) -> None:
+    """A job of the sweep begins (before it claims its own dir)."""
+    _record(sweep_dir, num, job_dir, overrides, {"status": "started"})
+
+
+def job_ended(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str],
+              result: Any) -> None:
+    """How a job of the sweep ended: `result` is what the job returned (its summary, or
+    {"status": "failed", "error": ...}), or the exception it raised."""
+    if isinstance(result, BaseException):
+        outcome = {"status": "failed", "error": f"{type(result).__name__}: {result}"}
+    elif isinstance(result, dict) and result.get("status"):
+        outcome = {"status": result["status"], "error": result.get("error", "")}
+    else:
+        outcome = {"status": "failed", "error": f"the job returned {result!r}"}
+    _record(sweep_dir, num, job_dir, overrides, outcome)
+
+
+def _from_record(sweep_dir: Path, record: dict[str, Any]) -> Job:
+    """The row of a job this sweep launched: its own dir's files when they are its own (the
+    outcome it recorded is what its summary.json says), else the outcome alone (a job refused
+    before it could write there, or one lost without an outcome)."""
+    job_dir = sweep_dir / record["dir"]
+    if record["status"] == "started":
+        outcome = {"status": "failed", "error": LOST}
+    elif record["status"] == "completed":
+        outcome = {"status": "completed"}
+    else:
+        outcome = {"status": record["status"], "error": record.get("error", "")}
+    summary_path = job_dir / "summary.json"
+    try:
+        written = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        written = None
+    if (job_dir / ".hydra" / "hydra.yaml").is_file() and isinstance(written, dict) and \
+            {k: written.get(k) for k in outcome} == outcome:
+        return _read_job(job_dir)
+    overrides = {k: v for k, _, v in (o.partition("=") for o in record["overrides"])}
+    return Job(int(record["num"]), job_dir, overrides, outcome, [])
+
+
 def read_jobs(sweep_dir: Path) -> list[Job]:
-    """Every job dir under the sweep dir (any hydra.sweep.subdir), in job order."""
+    """The jobs this sweep launched, in job order, from their records; for a sweep dir without
+    records (written before gradsync kept them), every job dir under it (any
+    hydra.sweep.subdir)."""
+    records = [json.loads(p.read_text()) for p in (sweep_dir / JOBS).glob("*.json")]
+    if records:
+        return sorted((_from_record(sweep_dir, r) for r in records), key=lambda j: j.num)
     dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/hydra.yaml")}
     return sorted((_read_job(d) for d in dirs), key=lambda j: j.num)
 
@@ -401,13 +492,23 @@ def plot_noise(jobs: list[Job], path: Path):
 
 
 @dataclass
-class SweepSummary:
+class SweepResult:
+    """What write_summary found: the jobs, how many failed (or were lost), the markdown."""
+
     jobs: int
     failed: int
     markdown: str
+    failed_jobs: list[int] = field(default_factory=list)  # their job numbers
+
+    def failure_line(self, sweep_dir: Path) -> str:
+        """What the sweep says when it ends with failed (or lost) jobs, naming them."""
+        nums = ", ".join(map(str, self.failed_jobs))
+        return (f"gradsync: sweep: {self.failed} of {self.jobs} jobs failed "
+                f"(job{'s' if len(self.failed_jobs) > 1 else ''} {nums}); see "
+                f"{sweep_dir / 'sweep_summary.md'}")
 
 
-def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSummary:
+def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepResult:
     """sweep_summary.csv, sweep_summary.md and sweep.png from the job dirs in sweep_dir;
     target_loss None: the worst final eval loss among the completed jobs."""
     jobs = read_jobs(sweep_dir)
@@ -424,7 +525,8 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepSum
     plot_memory([r | {"_swept": swept} for r in rows], sweep_dir / "memory.png")
     if any(job.noise for job in jobs):
         plot_noise(jobs, sweep_dir / "noise_scale.png")
-    return SweepSummary(len(rows), sum(r["status"] != "completed" for r in rows), text)
+    failed = [r["job"] for r in rows if r["status"] != "completed"]
+    return SweepResult(len(rows), len(failed), text, failed)
 
 
 def main(argv: list[str]) -> int:
@@ -438,6 +540,8 @@ def main(argv: list[str]) -> int:
         return 2
     result = write_summary(Path(argv[0]), target)
     print(result.markdown)
+    if result.failed:
+        print(result.failure_line(Path(argv[0])), file=sys.stderr)
     return 1 if result.failed else 0
 
 

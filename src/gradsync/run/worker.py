@@ -116,7 +116,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     if lr_scaling.needed(scaling.name, cfg.schedule.name):
         lr_scheduler = lr_scaling.ScaledLR(lr_scheduler, optimizer, scaling.name, reference, tick)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
-                                  data.tokens_per_sample)
+                                  data.tokens_per_sample, policy.local_step)
     return Parts(
         engine=engine,
         optimizer=optimizer,

@@ -178,6 +178,13 @@ class ModelAveraging(SyncPolicy):
     def replicas_in_sync(self) -> bool:
         return self.in_sync
 
+    def local_step(self) -> bool:
+        """The window now running (self.windows done before it) steps this rank alone, and
+        more such steps follow before the next averaging: after the warm-up, with H > 1. With
+        H = 1 every step is averaged at once, so the mean of the ranks' steps must be the step
+        of the global mean: the shared divisor (docs/local-sgd.md)."""
+        return self.every > 1 and self.windows >= self.warmup
+
     def _sync(self, model: torch.nn.Module) -> None:
         assert self.anchor is not None
         self.replica_drift = self.anchor.sync(model, self.outer.step, self.wire, self.counts,

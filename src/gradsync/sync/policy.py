@@ -139,6 +139,15 @@ class SyncPolicy:
         """Whether every rank holds the same parameters now (trainer.check_replicas asks)."""
         return not self.syncs_parameters
 
+    def local_step(self) -> bool:
+        """Asked at each window's first micro-batch (by the loss normaliser): True when the
+        window's optimizer step is this rank's own (no gradient all-reduce) and more local steps
+        follow before the replicas are averaged (local SGD with H > 1 after its warm-up): the
+        loss is then divided by this rank's own count, and a rank without a real sample in the
+        window does not step (train/normalize.py). False by default: every rank's step is part
+        of one step of the global mean."""
+        return False
+
 
 def decides_per_bucket(policy: SyncPolicy) -> bool:
     """The policy answers sync_bucket itself: only trainer.engine=gradsync can carry that out."""

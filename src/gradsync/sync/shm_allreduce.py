@@ -9,13 +9,17 @@ replicas bitwise identical, and for two ranks it is gloo's result bit for bit. A
 buckets lie side by side in the slots; after its last bucket a second barrier makes sure every
 rank has read them before any rank writes the next backward's. The barriers run on the default
 group, whose timeout also ends a rank waiting for a dead peer.
+
+The buffer has no name anywhere: rank 0 creates it with memfd_create, the other ranks open it
+through /proc/<rank 0's pid>/fd/<its descriptor> (which only processes of the same user may
+open), and the kernel frees it when the last process that maps it ends. No kill, of any
+process at any moment, leaves anything in /dev/shm.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,10 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.run.faults import process_stat
 from gradsync.sync.comm import InnerHook
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 ALIGN = 64  # bytes: every bucket's region starts on a cache line
 
 
@@ -99,37 +101,6 @@ def _mean_into(state: SharedSlots, src: torch.Tensor, dtype: torch.dtype,
         out.copy_(total)
 
 
-def _start_time(pid: int) -> str:
-    """When process `pid` started (clock ticks since boot), "" when there is no such process:
-    with the pid, it names one process of this boot."""
-    fields = process_stat(pid)
-    return fields[19] if len(fields) > 19 else ""
-
-
-def shm_name() -> str:
-    """gradsync-<creator pid>-<its start time>-<random>: unguessable, and it says whose it
-    is, so a name left by a job killed during start-up (between the file's creation and its
-    unlink, once every rank mapped it) can be recognised as stale."""
-    return f"gradsync-{os.getpid()}-{_start_time(os.getpid())}-{uuid.uuid4().hex}"
-
-
-def remove_stale(shm_dir: Path) -> list[str]:
-    """Remove this user's gradsync files whose creator process is gone; their names."""
-    removed = []
-    for path in shm_dir.glob("gradsync-*"):
-        _, pid, started, *rest = path.name.split("-") + ["", "", ""]
-        if not (pid.isdigit() and started.isdigit()) or _start_time(int(pid)) == started:
-            continue
-        try:
-            if path.lstat().st_uid != os.getuid():
-                continue
-            path.unlink()
-        except OSError:
-            continue
-        removed.append(path.name)
-    return removed
-
-
 def host_id() -> str:
     boot = Path("/proc/sys/kernel/random/boot_id")
     return f"{socket.gethostname()}/{boot.read_text().strip() if boot.is_file() else ''}"
@@ -137,37 +108,40 @@ def host_id() -> str:
 
 def map_slots(capacity: int) -> torch.Tensor | None:
     """Collective: one shared buffer of [world, capacity] bytes mapped on every rank, or None on
-    every rank when they are not all on one host or one of them cannot map rank 0's file."""
+    every rank when they are not all on one host or one of them cannot map rank 0's buffer. The
+    buffer is a memfd of rank 0's (see the module's docstring): nameless, freed with the last
+    process that maps it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, host_id())
     if len(set(hosts)) != 1:
         return None
     size = ALIGN + world * capacity  # a header: the token rank 0 writes, proof of one mapping
-    name: list[Any] = [shm_name(), uuid.uuid4().int >> 65]
-    dist.broadcast_object_list(name, src=0)
-    path, token = SHM_DIR / name[0], name[1]
-    mapped = None
+    where: list[Any] = [None, uuid.uuid4().int >> 65]  # rank 0's: where to open it, the token
+    fd = None
     if rank == 0:
-        remove_stale(SHM_DIR)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:  # reserved now: a full /dev/shm fails here, not with SIGBUS mid-backward
-                os.posix_fallocate(fd, 0, size)
-            finally:
+            fd = os.memfd_create("gradsync-slots", os.MFD_CLOEXEC)
+            # reserved now: a memory limit fails here, not with SIGBUS mid-backward
+            os.posix_fallocate(fd, 0, size)
+            where[0] = f"/proc/{os.getpid()}/fd/{fd}"
+        except (OSError, AttributeError):  # no memfd here, or no memory for it
+            if fd is not None:
                 os.close(fd)
-        except OSError:
-            pass  # then nobody can map it, and every rank says so below
-    dist.barrier()
-    try:
-        mapped = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        if rank == 0:
-            mapped[:8].view(torch.int64)[0] = token
-    except (OSError, RuntimeError):
-        mapped = None
-    dist.barrier()  # every rank has mapped it or failed: the name can go
-    if rank == 0:
-        path.unlink(missing_ok=True)
+                fd = None
+    dist.broadcast_object_list(where, src=0)
+    path, token = where
+    mapped = None
+    if path is not None:
+        try:
+            mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            if rank == 0:
+                mapped[:8].view(torch.int64)[0] = token
+        except (OSError, RuntimeError):
+            mapped = None
+    dist.barrier()  # every rank has mapped it or failed: rank 0's descriptor can go
+    if fd is not None:
+        os.close(fd)
     ok = mapped is not None and int(mapped[:8].view(torch.int64)[0]) == token
     oks: list[Any] = [None] * world
     dist.all_gather_object(oks, ok)
@@ -189,7 +163,8 @@ def over_shared_memory(inner: InnerHook, params: list[torch.Tensor], mode: str) 
     if slots is None:
         if mode == "shared_memory":
             raise RuntimeError("trainer.allreduce=shared_memory needs every rank on one host, "
-                               f"able to map a file in {SHM_DIR} (auto falls back to gloo)")
+                               "able to map rank 0's shared memory (memfd_create, "
+                               "/proc/<pid>/fd; auto falls back to gloo)")
         return inner
     state = SharedSlots(slots, dist.get_rank(), dist.get_world_size(), inner.wire_dtype)
     return replace(inner, hook=shm_hook, state=state)  # per-group counting stays

@@ -17,13 +17,23 @@ optimizer step (``loss.normalize``).
   then averaged over ranks: the accumulation bug Transformers fixed in autumn 2024. Wrong on
   variable-length data; it exists only to measure that error.
 
+A rank's own step (``local``: local SGD or DiLoCo with H > 1, after the warm-up: no gradient is
+all-reduced, and other local steps follow before the replicas are averaged) divides by this
+rank's own count instead (its real samples in the window; its loss tokens), so each local step
+applies the gradient of the rank's own mean loss, whatever its share of an uneven last window;
+a rank holding no real sample in the window does not step at all (no momentum, no weight decay:
+what a process without data would do). The logged loss stays the window's mean over every real
+sample (or token) of every rank. With H = 1 (and for every step all ranks share) the divisor
+stays the global one: the mean of the ranks' steps is then exactly the step of the global mean
+(docs/local-sgd.md, docs/exactness.md).
+
 Each normaliser receives a micro-batch's per-sample loss sums and unit counts (the data
 contract, data.DataBundle.loss) and returns the scalar its backward runs on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -53,39 +63,68 @@ class Normalizer(Protocol):
         ...
 
 
+def shared_steps() -> bool:
+    """The default answer to "is this window's step this rank's own": no (every rank's step is
+    part of one step of the global mean)."""
+    return False
+
+
+def no_step(params: Iterable[torch.nn.Parameter]) -> None:
+    """A rank's own step on a window without a real sample of its own: gradients set to None,
+    so the optimizer leaves these parameters (and their state) alone."""
+    for q in params:
+        q.grad = None
+
+
 class BySamples:
     name = "samples"
 
-    def __init__(self, world_size: int, per_unit: bool = False):
+    def __init__(self, world_size: int, per_unit: bool = False,
+                 local: Callable[[], bool] = shared_steps):
         self.world_size = world_size
         self.per_unit = per_unit  # token data: a sequence's loss is its mean token loss
+        self.local = local  # asked at each window's first micro-batch: this rank's own step?
+        self.own = False
+        self.real = 0  # this rank's real samples in the current window
+        self.to_global = 1.0  # own steps: from this rank's divisor to the global one
 
     def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            self.own, self.real = self.local(), window.real
+            shared = window.global_real / self.world_size
+            self.to_global = max(window.real, 1) / shared if self.own else 1.0
         if self.per_unit:
             sums = sums / counts.clamp_min(1)
-        # ranks hold different numbers of real samples in an epoch's last window: DDP's mean
-        # over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples
         return sums.sum() / self.divisor(window)
 
     def divisor(self, window: Window) -> float:
-        """What each micro-batch's summed loss is divided by (the noise scale rescales by it)."""
-        return window.global_real / self.world_size
+        """What each micro-batch's summed loss is divided by (the noise scale rescales by it):
+        ranks hold different numbers of real samples in an epoch's last window, and DDP's mean
+        over ranks of sum_r(loss_r) / (global_real / W) is the mean over the real samples; a
+        rank's own step (local SGD after warm-up, H > 1) divides by its own real samples."""
+        return max(window.real, 1) if self.own else window.global_real / self.world_size
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
-        return total
+        return total * self.to_global if self.own else total
 
     def before_step(self, params: Iterable[torch.nn.Parameter]) -> None:
-        pass
+        if self.own and self.real == 0:
+            no_step(params)
 
 
 class ByTokens:
     name = "tokens"
 
-    def __init__(self, world_size: int, device: torch.device, tokens_per_sample: float):
+    def __init__(self, world_size: int, device: torch.device, tokens_per_sample: float,
+                 local: Callable[[], bool] = shared_steps):
         self.world_size, self.tokens_per_sample = world_size, tokens_per_sample
         self.device = device
-        self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self.local = local  # asked at each window's first micro-batch: this rank's own step?
+        self.own = False
+        self.real = 0
+        self.tokens = torch.zeros((), dtype=torch.int64, device=device)  # this rank's
+        self.total = self.tokens  # over every rank (all-reduced)
         self.constant = 1.0
         self.work: dist.Work | None = None
         self.factor: torch.Tensor | None = None
@@ -95,14 +134,17 @@ class ByTokens:
         if index == 0:
             self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
             self.work, self.factor = None, None
+            self.own, self.real = self.local(), window.real
             # Any constant equal on every rank gives the same step (local_samples is: see
             # plan_epoch); the expected local token count keeps the backward's magnitudes
             # (and the fp16 scaler) near those of a per-token mean.
             self.constant = window.local_samples * self.tokens_per_sample
         self.tokens += counts.sum()
-        if index == window.size - 1 and self.world_size > 1:
-            # launched before the last backward, which it overlaps
-            self.work = dist.all_reduce(self.tokens, async_op=True)
+        if index == window.size - 1:
+            self.total = self.tokens.clone() if self.own else self.tokens
+            if self.world_size > 1:
+                # launched before the last backward, which it overlaps
+                self.work = dist.all_reduce(self.total, async_op=True)
         return sums.sum() / self.constant
 
     def divisor(self, window: Window) -> float:
@@ -110,21 +152,30 @@ class ByTokens:
         return self.constant
 
     def _factor(self) -> torch.Tensor:
+        """From the summed losses to the window's mean over every rank's tokens."""
         if self.factor is None:
             if self.work is not None:
                 self.work.wait()
                 self.work = None
             # DDP already divided by world_size: undo it and the constant, divide by the count.
             scale = self.world_size * self.constant
-            self.factor = (scale / self.tokens.clamp_min(1).double()).float()
+            self.factor = (scale / self.total.clamp_min(1).double()).float()
         return self.factor
 
     def window_loss(self, total: torch.Tensor) -> torch.Tensor:
         return total * self._factor()
 
     def before_step(self, params: Iterable[torch.nn.Parameter]) -> None:
+        if self.own and self.real == 0:
+            no_step(params)
+            return
         grads = [p.grad for p in params if p.grad is not None]
-        if grads:
+        if not grads:
+            return
+        if self.own:  # no all-reduce made these: this rank's own mean over its own tokens
+            torch._foreach_mul_(grads, (self.constant / self.tokens.clamp_min(1).double())
+                                .float())
+        else:
             torch._foreach_mul_(grads, self._factor())
 
 
@@ -149,13 +200,15 @@ def resolve(name: str, unit: str) -> str:
 
 
 def build_normalizer(name: str, unit: str, world_size: int, device: torch.device,
-                     tokens_per_sample: float) -> Normalizer:
-    """unit: what the data's loss counts (samples or tokens)."""
+                     tokens_per_sample: float,
+                     local: Callable[[], bool] = shared_steps) -> Normalizer:
+    """unit: what the data's loss counts (samples or tokens); local: asked once per window,
+    whether its step is this rank's own (the sync policy's SyncPolicy.local_step)."""
     name = resolve(name, unit)
     if name == "samples":
-        return BySamples(world_size, per_unit=unit == "tokens")
+        return BySamples(world_size, per_unit=unit == "tokens", local=local)
     if name == "tokens":
-        return ByTokens(world_size, device, tokens_per_sample)
+        return ByTokens(world_size, device, tokens_per_sample, local)
     if name == "micro_batch_mean":
         return ByMicroBatchMean()
     raise ValueError(f"unknown loss.normalize {name!r}")
