@@ -316,6 +316,7 @@ def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
 
 
 # --- a sweep owns its sweep dir; a job refused or lost is a failed row ------------------------
+@pytest.mark.slow
 def test_a_second_sweep_into_a_sweep_dir_in_use_is_refused_at_once(tmp_path, cli_env):
     """While a sweep holds its sweep dir (sweep.claim, what a running sweep did before its first
     job), another sweep there is refused in one line, exit code 2, and runs nothing."""
