@@ -12,9 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))  # dist_pool / dist_cases for spawned ranks
 
-from cli_jobs import kill_started_jobs  # noqa: E402
 from dist_pool import DistPool  # noqa: E402
-from resume_harness import References  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,15 +51,21 @@ def pool2():
 def references(pool2, tmp_path_factory):
     """Uninterrupted reference runs on the pool, each trained once per session and shared by
     every test that compares a run of the same config with it (tests/resume_harness.py)."""
+    from resume_harness import References  # psutil: not on a GPU box's Python (gpu-check)
+
     return References(pool2, tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
 def no_job_outlives_its_test():
     """A test that fails half-way must not leave its command-line job (or a stopped worker)
-    running (tests/cli_jobs.py)."""
+    running (tests/cli_jobs.py; only a test module that imported it can have started one, and
+    psutil, which it needs, is not on a GPU box's Python: make gpu-check runs tests/test_gpu.py
+    there)."""
     yield
-    kill_started_jobs()
+    jobs = sys.modules.get("cli_jobs")
+    if jobs is not None:
+        jobs.kill_started_jobs()
 
 
 @pytest.fixture(autouse=True)
