@@ -45,12 +45,14 @@ def _median(rs: list[dict], key: str) -> float:
 def write(path: Path, runs: dict, traffic: dict, ns: list[int], names: list[str],
           rounds: int) -> Path:
     """path: the .md to write; the plot goes beside it as .png."""
+    import workload  # its data set size: bench/run.py --samples
     med = {k: _median(v, "samples_per_s") for k, v in runs.items()}
     lines = [
         f"# gradsync benchmark, {dt.datetime.strptime(path.stem, STAMP):%Y-%m-%d %H:%M}",
         "",
-        f"Workload: bench/workload.py (synthetic 8192 x 512 regression, MLP 512-1024-1024-1024-512,"
-        f" SGD, 32 samples per rank per micro-batch, 2 processes on gloo, 1 thread each). "
+        f"Workload: bench/workload.py (synthetic {workload.SAMPLES} x 512 regression, MLP "
+        f"512-1024-1024-1024-512, SGD, 32 samples per rank per micro-batch, 2 processes on "
+        f"gloo, 1 thread each). "
         f"{rounds} interleaved rounds; samples/s of the timed epoch, median [min-max]. "
         f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads "
         f"available to the harness.",

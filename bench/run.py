@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--seed", type=int, default=0, help="seeds the interleaving order")
+    ap.add_argument("--samples", type=int, help="the workload's data set size (default 8192); "
+                    "a smaller one only to test the harness")
     ap.add_argument("--report", metavar="JSON", help="only re-render the table and plot of a "
                     "saved run (results/<date>.json)")
     args = ap.parse_args()
@@ -142,6 +144,8 @@ def main() -> None:
 
         print(report.rerender(Path(args.report)).read_text())
         return
+    if args.samples:  # read by workload.py in every rank this harness spawns, and by report.py
+        os.environ["GRADSYNC_BENCH_SAMPLES"] = str(args.samples)
     ns = [int(n) for n in args.n.split(",")]
     names = args.variants.split(",")
     rng = random.Random(args.seed)

@@ -1,7 +1,8 @@
 """The one workload every benchmark variant runs, so differences are the variants' own:
-deterministic synthetic regression (8192 x 512 -> 512), an MLP 512-1024-1024-1024-512
-(3.2 M parameters), MSE, SGD(lr 0.01, momentum 0.9), 32 samples per rank per micro-batch,
-2 processes on gloo with one intra-op thread each, a seeded DistributedSampler, loss / N.
+deterministic synthetic regression (8192 x 512 -> 512; bench/run.py --samples changes the 8192),
+an MLP 512-1024-1024-1024-512 (3.2 M parameters), MSE, SGD(lr 0.01, momentum 0.9), 32 samples
+per rank per micro-batch, 2 processes on gloo with one intra-op thread each, a seeded
+DistributedSampler, loss / N.
 
 Protocol (every variant): a warm-up of WARMUP_MICRO micro-batches of epoch 0 (not timed), then
 epoch 1 in full, timed between two barriers: 128 micro-batches per rank, 128 / N optimizer steps.
@@ -25,7 +26,9 @@ from gradsync.models import MLP
 SEED = 0
 WORLD = 2
 MICRO = 32
-SAMPLES, IN_DIM, OUT_DIM, HIDDEN = 8192, 512, 512, [1024, 1024, 1024]
+# bench/run.py --samples sets it for its ranks (a smaller epoch for tests/test_bench.py)
+SAMPLES = int(os.environ.get("GRADSYNC_BENCH_SAMPLES", "8192"))
+IN_DIM, OUT_DIM, HIDDEN = 512, 512, [1024, 1024, 1024]
 LR, MOMENTUM = 0.01, 0.9
 WARMUP_MICRO = 16
 DATA_CFG = {"num_samples": SAMPLES, "eval_samples": 64, "in_dim": IN_DIM, "out_dim": OUT_DIM,

@@ -94,7 +94,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     marker = tmp_path / "payload-ran"
     env = {**cli_env, "TMPDIR": str(tmp)}
     args = {"raises": ["trainer.fail_at_step=12"], "killed": [],
-            "hung": ["trainer.timeout_s=10"]}[how]
+            "hung": ["trainer.timeout_s=5"]}[how]
     launcher = ("-c", PLANTING_LAUNCHER, str(marker)) if how == "killed" else ("-m",
                                                                               "gradsync.run.main")
     job = long_job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
@@ -126,7 +126,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     else:
         assert line.startswith("gradsync: training failed: rank 1 failed: stopped answering: "
                                "its process was stopped (as by SIGSTOP); rank 0 gave up after "
-                               "trainer.timeout_s=10: "), line
+                               "trainer.timeout_s=5: "), line
     assert ended_in < 60, ended_in
     print(f"job ended {ended_in:.1f} s after the worker {how}")
     assert job.survivors() == []
