@@ -163,11 +163,7 @@ def reference_tokens(micro_batches: int | None = None) -> dict[str, float]:
         total.backward()
         grads.append(torch.cat([q.grad.flatten() for q in model.parameters()]))
         counts.append(count)
-    small = sum(float((gr / c) @ (gr / c)) for gr, c in zip(grads, counts, strict=True))
-    big = sum(grads) / sum(counts)
-    return {"grad_sq_small": small / len(grads), "grad_sq_big": float(big @ big),
-            "batch_small": len(counts) / sum(1 / c for c in counts),
-            "batch_big": float(sum(counts))}
+    return _window_statistics(grads, counts)
 
 
 def reference_samples(out: dict, micro_batches: int | None = None) -> dict[str, float]:
@@ -186,6 +182,13 @@ def reference_samples(out: dict, micro_batches: int | None = None) -> dict[str, 
         total.backward()
         grads.append(torch.cat([q.grad.flatten() for q in model.parameters()]))
         counts.append(count)
+    return _window_statistics(grads, counts)
+
+
+def _window_statistics(grads: list, counts: list[int]) -> dict[str, float]:
+    """From each rank's summed window gradient and its real sample count: the mean squared norm
+    of the ranks' mean gradients (the small batches), the squared norm of the all-ranks' mean
+    (the big batch), and the two batch sizes (harmonic mean of the small ones)."""
     small = sum(float((gr / c) @ (gr / c)) for gr, c in zip(grads, counts, strict=True))
     big = sum(grads) / sum(counts)
     return {"grad_sq_small": small / len(grads), "grad_sq_big": float(big @ big),
