@@ -215,20 +215,18 @@ def plan_epoch(shard: Shard, micro_batch_size: int, accum_steps: int) -> list[Wi
 
 
 def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: int) -> int:
-    """Windows per epoch: the same on every rank, so one rank holding local_samples tells."""
-    return len(plan_epoch(Shard(local_samples), micro, schedule.accum_steps(epoch)))
+    """Windows per epoch (plan_epoch's count): the same on every rank, so one rank holding
+    local_samples tells."""
+    return -(-micro_batches(Shard(local_samples), micro) // schedule.accum_steps(epoch))
 
 
 def total_optimizer_steps(schedule, max_epochs: int, max_steps: int, local_samples: int,
                           micro: int) -> int:
     """Optimizer steps a fixed schedule takes: the LR scheduler's horizon and the progress
     bar's (an adaptive one's are counted in samples: train/lr_scaling.py horizon)."""
-    total, per_accum = 0, {}  # an epoch's windows depend on its accum_steps alone
+    total = 0
     for e in range(max_epochs):
-        accum = schedule.accum_steps(e)
-        if accum not in per_accum:
-            per_accum[accum] = optimizer_steps_per_epoch(schedule, e, local_samples, micro)
-        total += per_accum[accum]
+        total += optimizer_steps_per_epoch(schedule, e, local_samples, micro)
         if 0 <= max_steps <= total:
             return max_steps
     return total
