@@ -235,7 +235,7 @@ class StepLog:
         drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64,
                               device=self.p.device)
         if self.p.world_size > 1:
-            dist.all_reduce(on_device(drifts, self.p.device), op=dist.ReduceOp.MAX)
+            dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
         for row, drift in zip(rows, drifts.tolist(), strict=True):
             row["replica_drift"] = drift
             self.log.scalars(row["window"], {"sync/replica_drift": drift})

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from gradsync.train.metrics import peak_memory_mb
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind `tensors`, each storage once (None and freed ones: 0)."""
@@ -188,7 +190,7 @@ class MemoryMeter:
     def peak_mb(self) -> float | None:
         """The peak (see the module's docstring), in MiB; None without one."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
+            return peak_memory_mb(self.device)
         return None if self.cpu_peak is None else self.cpu_peak / 2**20
 
     def scalars(self) -> dict[str, float]:
