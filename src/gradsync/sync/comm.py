@@ -222,16 +222,12 @@ def counting_hook(
             probe.armed = False
     if inner.sequential:
         state.previous = None if bucket.is_last() else fut
-    groups: dict[str, tuple[int, int]] = {}
-    wire_name = str(wire).removeprefix("torch.")
-    if inner.traffic is not None:
-        t = inner.traffic(bucket)
+    t = inner.traffic(bucket) if inner.traffic is not None else None
+    if t is not None:
         state.counts.add(t.calls, t.nbytes)
         for group, (calls, nbytes) in t.groups.items():
             state.counts.add_to_group(group, calls, nbytes)
-        nbytes, groups = t.nbytes, t.groups
-        if t.calls > 1:  # one all-reduce per wire dtype (sync.groups)
-            wire_name = "mixed"
+        nbytes = t.nbytes
     else:
         nbytes = (buf.numel() * wire.itemsize if inner.sent is None
                   else inner.sent(inner.state, bucket))
@@ -239,8 +235,11 @@ def counting_hook(
         state.counts.allreduce_bytes += nbytes
     if bucket.is_last():
         state.counts.sync_backwards += 1
-    if state.trace is not None:
-        state.trace.bucket(bucket, launched, fut, nbytes, wire_name, groups)
+    if state.trace is not None:  # one all-reduce per wire dtype (sync.groups): "mixed"
+        wire_name = ("mixed" if t is not None and t.calls > 1
+                     else str(wire).removeprefix("torch."))
+        state.trace.bucket(bucket, launched, fut, nbytes, wire_name,
+                           t.groups if t is not None else {})
     return fut
 
 
