@@ -143,12 +143,16 @@ def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
             *overrides]
 
 
+def read_summary(run_dir: Path) -> dict:
+    """The job's summary.json, {} if it wrote none."""
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def train(run_dir: Path, *overrides: str, timeout: float = 240) -> tuple[int, str, dict]:
     done = subprocess.run(train_cmd(run_dir, *overrides), capture_output=True, text=True,
                           env=child_env(), cwd=REPO, timeout=timeout)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return done.returncode, done.stderr, summary
+    return done.returncode, done.stderr, read_summary(run_dir)
 
 
 def last_line(text: str) -> str:
@@ -247,8 +251,8 @@ def gpu_tests(check: Check) -> None:
     check.done(ok, f"`pytest -m gpu tests/test_gpu.py`: {last_line(done.stdout)} "
                f"(exit code {done.returncode})"
                + (" (dry run: they skip without CUDA, saying so)" if TARGET.dry else ""))
-    if done.returncode != 0 and not (TARGET.dry and done.returncode == 5):
-        check.lines += ["```", *done.stdout.strip().splitlines()[-30:], "```"]
+    if not ok:
+        check.lines += ["```", *(done.stdout + done.stderr).strip().splitlines()[-30:], "```"]
 
 
 # --- 2. the default model on every GPU, who holds a context where; torchrun -------------------
@@ -319,8 +323,7 @@ def default_experiment(check: Check, out: Path) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     _, err = proc.communicate()
-    summary_path = run_dir / "summary.json"
-    s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    s = read_summary(run_dir)
     ok = proc.returncode == 0 and s.get("status") == "completed"
     check.done(ok, f"`gradsync-train trainer.backend={TARGET.backend} trainer.devices={n} "
                f"{' '.join(DEFAULT)}` (MLP, accumulate N=4): exit code {proc.returncode}"
@@ -382,8 +385,7 @@ def torchrun(check: Check, out: Path) -> None:
            f"--master-port={port}", *train_cmd(run_dir, *DEFAULT)[1:]]
     done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO,
                           timeout=300)
-    path = run_dir / "summary.json"
-    s = json.loads(path.read_text()) if path.exists() else {}
+    s = read_summary(run_dir)
     ok = done.returncode == 0 and s.get("status") == "completed"
     check.lines.append(f"torchrun --nproc-per-node={TARGET.ranks}: exit code {done.returncode}"
                        + (f", world_size={s['world_size']}, steps={s['optimizer_steps']}"
