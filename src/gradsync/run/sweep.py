@@ -84,12 +84,14 @@ class Job:
         return self.summary.get("status") == "completed"
 
 
-def _read_job(job_dir: Path) -> Job:
+def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
+    """A job's row from its dir; summary: its summary.json when the caller has read it."""
     hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
     overrides = {k: v for k, _, v in (o.partition("=") for o in hydra_cfg["overrides"]["task"])}
-    summary_path = job_dir / "summary.json"
-    summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
-               {"status": "failed", "error": "no summary.json: the job did not finish"})
+    if summary is None:
+        summary_path = job_dir / "summary.json"
+        summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
+                   {"status": "failed", "error": "no summary.json: the job did not finish"})
     rows = _rows(job_dir / "metrics.jsonl")
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
                _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
@@ -169,7 +171,7 @@ def _from_record(sweep_dir: Path, record: dict[str, Any]) -> Job:
         written = None
     if (job_dir / ".hydra" / "hydra.yaml").is_file() and isinstance(written, dict) and \
             {k: written.get(k) for k in outcome} == outcome:
-        return _read_job(job_dir)
+        return _read_job(job_dir, written)
     overrides = {k: v for k, _, v in (o.partition("=") for o in record["overrides"])}
     return Job(int(record["num"]), job_dir, overrides, outcome, [])
 
@@ -371,6 +373,11 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     return "\n".join(lines)
 
 
+def _label(job: Job, keys: list[str]) -> str:
+    """A job's name on a plot: its values of the swept keys."""
+    return " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
+
+
 def plot(jobs: list[Job], path: Path, target: float | None = None):
     """Three panels, one colour per job: eval loss (markers) and train loss (thin) against
     samples seen, all-reduce bytes (log axis) and training seconds; the target as a dashed line.
@@ -383,7 +390,7 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     keys = swept_keys(jobs)
 
     def label(job: Job) -> str:
-        text = " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
+        text = _label(job, keys)
         return text if job.completed else f"{text} (failed)"
 
     fig, axes = plt.subplots(1, len(AXES), figsize=(16, 4.8))
@@ -421,7 +428,7 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     return fig
 
 
-def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
+def plot_memory(rows: list[dict[str, Any]], path: Path, swept: list[str]) -> bool:
     """When the completed jobs hold different gradient memory (engines, sharding flavours): one
     point per job, gradient memory held (left) and peak memory (right) against the bytes it
     moved per optimizer step (rank 0's all-reduce, reduce-scatter and all-gather bytes).
@@ -441,7 +448,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
         for r in done:
             x, y = r["comm_bytes_per_step"] / 1e6, r[key] * scale
             ax.plot(x, y, "o", markersize=8)
-            label = " ".join(str(r[k]) for k in r.get("_swept", [])) or f"job {r['job']}"
+            label = " ".join(str(r[k]) for k in swept) or f"job {r['job']}"
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4),
                         fontsize="small")
         ax.set(xlabel="MB sent per optimizer step (rank 0: all-reduce + reduce-scatter + "
@@ -472,10 +479,9 @@ def plot_noise(jobs: list[Job], path: Path):
         if not job.noise:
             continue
         samples = [x for x, _, _ in job.noise]
-        text = " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
         color = colors[i % len(colors)]
         ax_b.plot(samples, [b for _, b, _ in job.noise], color=color, linewidth=1.2,
-                  label=text)
+                  label=_label(job, keys))
         ax_n.step(samples, [n for _, _, n in job.noise], where="post", color=color,
                   linewidth=1.2)
     ax_b.set(xlabel="samples seen", ylabel="B_simple (the loss's unit)", yscale="log",
@@ -521,8 +527,7 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepRes
     text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None)
     (sweep_dir / "sweep_summary.md").write_text(text)
     plot(jobs, sweep_dir / "sweep.png", target)
-    swept = swept_keys(jobs)
-    plot_memory([r | {"_swept": swept} for r in rows], sweep_dir / "memory.png")
+    plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
     if any(job.noise for job in jobs):
         plot_noise(jobs, sweep_dir / "noise_scale.png")
     failed = [r["job"] for r in rows if r["status"] != "completed"]
