@@ -8,13 +8,12 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   broadcast, ``forward_sync_buffers=False`` does not; gradsync builds every rank's model from
   the same seed before DDP wraps it, so both start from the same buffers.
 - The gradsync engine (engines/gradsync_ddp.py) calls torch's private
-  ``dist._compute_bucket_assignment_by_size`` (DDP's own bucket partition),
-  ``dist._broadcast_coalesced`` and ``dist._DEFAULT_FIRST_BUCKET_BYTES``, and autograd's
-  ``Variable._execution_engine.queue_callback`` (the end of a backward, as DDP's reducer): the
-  same signatures in 2.11 and 2.13, and DDP's bucket rules (one bucket before the first
-  synchronising backward unless find_unused_parameters, a first bucket of
-  ``_DEFAULT_FIRST_BUCKET_BYTES`` only when no bucket_cap_mb is given) are the same in both
-  (tests/test_gradsync_engine.py compares the partitions, run by ``make compat`` too).
+  ``dist._compute_bucket_assignment_by_size`` (DDP's own bucket partition) and
+  ``dist._broadcast_coalesced``, and autograd's ``Variable._execution_engine.queue_callback``
+  (the end of a backward, as DDP's reducer): the same signatures in 2.11 and 2.13, and DDP's
+  bucket rules (one bucket before the first synchronising backward unless
+  find_unused_parameters) are the same in both (tests/test_gradsync_engine.py compares the
+  partitions, run by ``make compat`` too).
 - FSDP2 keeps a unit's parameter groups as a list ``_fsdp_param_groups`` from 2.13 (per-parameter
   meshes), one ``_fsdp_param_group`` (or None) before: the gradient memory count reads them
   (engines/fsdp.py). Every public FSDP2 and torch.distributed.checkpoint API the sharded engines

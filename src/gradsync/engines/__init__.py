@@ -4,10 +4,10 @@ decisions. ``base.py`` is the interface the loop talks to; ``ENGINES`` maps each
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
+from gradsync.components import parameters
 from gradsync.engines.base import Engine
 from gradsync.engines.fsdp import build_fsdp, build_hsdp
 from gradsync.engines.gradsync_ddp import build_gradsync_ddp
@@ -22,5 +22,5 @@ def build_engine(name: str, **kwargs: Any) -> Engine:
     """The engine `name`, given the keywords its builder names (as components get the run-time
     arguments they name): the worker offers every trainer setting an engine may need."""
     builder = ENGINES[name]
-    accepted = inspect.signature(builder).parameters
+    accepted = parameters(builder)
     return builder(**{k: v for k, v in kwargs.items() if k in accepted})

@@ -16,6 +16,13 @@ from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 
 
+def grads_to_none(policy: SyncPolicy, gradient_as_bucket_view: bool) -> bool:
+    """Whether zero_grad sets the gradients to None: when they are not views into the buckets,
+    or when the policy syncs parameters, which has (after its warm-up) no synchronising
+    backward: None spares the zeroing pass and the backward's accumulation into the zeros."""
+    return not gradient_as_bucket_view or policy.syncs_parameters
+
+
 def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
                      world_size: int, allreduce: str, counts: CommCounts,
                      trace: SyncTrace | None = None,

@@ -45,7 +45,7 @@ from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts, ShardedSync
 from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import fsdp_param_groups
-from gradsync.train.memory import MemoryMeter, storage_bytes
+from gradsync.train.memory import MemoryMeter, local, storage_bytes
 
 AUTO_UNITS = "auto"
 # the attribute a model names its default units with (globs over module names); none: the
@@ -96,7 +96,6 @@ class UnitPlan:
     name: str  # module name ('' for the root)
     params: list[str]
     sync: ShardedSync  # what its parameters' rule asks for (all alike)
-    numel: int
     nbytes: int
 
 
@@ -119,10 +118,8 @@ def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan
                               "a unit's gradients go out in one reduce-scatter: make the rules "
                               "follow the units (trainer.fsdp_units; +inspect=params shows "
                               "them)")
-        numel = sum(params[n].numel() for n in names)
         nbytes = sum(params[n].numel() * params[n].element_size() for n in names)
-        out.append(UnitPlan(unit, names, kinds.pop() if kinds else ShardedSync(), numel,
-                            nbytes))
+        out.append(UnitPlan(unit, names, kinds.pop() if kinds else ShardedSync(), nbytes))
     return out
 
 
@@ -130,7 +127,7 @@ def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> s
     """+inspect=params under a sharded engine: each unit, its parameters and reduction."""
     lines = ["FSDP units (trainer.fsdp_units), innermost first:"]
     for u in plan_units(model, rule, policy):
-        wire = str(u.sync.wire).removeprefix("torch.") if u.sync.wire else "the gradients' dtype"
+        wire = _dtype_name(u.sync.wire) or "the gradients' dtype"
         replicas = f", replica_all_reduce={u.sync.replica_all_reduce}" if hsdp else ""
         lines.append(f"  {u.name or '<root>'}: {len(u.params)} tensors, {u.nbytes} bytes, group "
                      f"{u.sync.group}, reduce_scatter={u.sync.reduce_scatter}{replicas}, "
@@ -284,8 +281,7 @@ class FSDPEngine:
                     whole = getattr(fp, "_unsharded_param", None)
                     unsharded += [None if whole is None else whole.grad,
                                   fp.unsharded_accumulated_grad]
-                    grad = fp.sharded_param.grad
-                    sharded.append(None if grad is None else grad._local_tensor)
+                    sharded.append(local(fp.sharded_param.grad))
         return storage_bytes(unsharded), storage_bytes(sharded)
 
     def parameters(self) -> Iterator[nn.Parameter]:

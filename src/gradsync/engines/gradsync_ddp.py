@@ -10,8 +10,7 @@ Its life, each step below commented once where the code does it:
 2. **Buckets**: the gradients are assigned to flat buffers as torch's DDP assigns them, by its
    own function (``dist._compute_bucket_assignment_by_size``): for the first synchronising
    backward all in one bucket (per dtype), then rebuilt once in the order the gradients became
-   ready, the first bucket up to ``dist._DEFAULT_FIRST_BUCKET_BYTES`` when no cap was given,
-   else every bucket up to ``bucket_cap_mb``. With ``find_unused_parameters`` the buckets are
+   ready, every bucket up to ``bucket_cap_mb``. With ``find_unused_parameters`` the buckets are
    cut in reverse parameter order and never rebuilt, as torch does.
 3. **Forward**: the micro-batch's ``sync`` decides whether the next backward synchronises (so
    the forward must run inside ``micro_batch`` too, as with ``no_sync()``); rank 0's buffers
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.engines.allreduce import policy_allreduce
+from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
@@ -110,7 +109,7 @@ class GradsyncDDP:
     name = "gradsync"
 
     def __init__(self, model: nn.Module, policy: SyncPolicy, ignored: list[str],
-                 allreduce: CountingState, transport: str, bucket_cap_mb: float | None = 25.0,
+                 allreduce: CountingState, transport: str, bucket_cap_mb: float = 25.0,
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.module = model
@@ -123,11 +122,8 @@ class GradsyncDDP:
         self.trace = trace
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
-        # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
-        # spares the zeroing pass and the backward's accumulation into the zeros
-        self.grads_to_none = not gradient_as_bucket_view or policy.syncs_parameters
-        self.cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
-        self.first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.cap
+        self.grads_to_none = grads_to_none(policy, gradient_as_bucket_view)
+        self.cap = int(bucket_cap_mb * 2**20)
         skip = set(ignored)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in skip]
         self.names = [n for n, _ in named]
@@ -165,12 +161,11 @@ class GradsyncDDP:
         it in `order`, the order their gradients became ready."""
         n = len(self.params)
         if order is None:
-            limits = ([sys.maxsize] if not self.find_unused else
-                      [self.first_cap, self.cap] if self.first_cap < self.cap else [self.cap])
+            limits = [sys.maxsize] if not self.find_unused else [self.cap]
             indices, _ = dist._compute_bucket_assignment_by_size(self.params, limits, [False] * n)
             return list(reversed(indices))
         indices, _ = dist._compute_bucket_assignment_by_size(
-            [self.params[i] for i in order], [self.first_cap, self.cap], [False] * n, order)
+            [self.params[i] for i in order], [self.cap], [False] * n, order)
         return indices
 
     def _make_buckets(self, assignment: list[list[int]]) -> list[Bucket]:

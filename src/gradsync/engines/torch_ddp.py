@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.engines.allreduce import policy_allreduce
+from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
@@ -110,8 +110,6 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
                                         trace, probe)
     ddp.register_comm_hook(state, counting_hook)
-    # a policy that syncs parameters has (after its warm-up) no synchronising backward: None
-    # spares the zeroing pass and the backward's accumulation into the zeros
     return TorchDDP(ddp, counts, transport,
-                    grads_to_none=not gradient_as_bucket_view or policy.syncs_parameters,
+                    grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
                     trace=trace, memory=memory)

@@ -47,6 +47,7 @@ TRACE = "trace.json"  # the merged trace
 STEPS_TID = 0  # the track of steps, micro-batches and waits
 BUCKET_TID = 10  # bucket i's track: BUCKET_TID + i
 SHOWN_PARAMS = 8  # parameter names a bucket's event lists in full
+USAGE = "usage: python -m gradsync.engines trace RUN_DIR"
 
 
 @dataclass(eq=False)
@@ -343,15 +344,14 @@ def table(trace: dict[str, Any]) -> str:
     return "\n".join(totals + [""] + lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     """python -m gradsync.engines trace RUN_DIR: merge the ranks' files, print the table."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m gradsync.engines trace RUN_DIR", file=sys.stderr)
+    if len(argv) != 1:
+        print(USAGE, file=sys.stderr)
         return 2
-    out = merge(Path(args[0]))
+    out = merge(Path(argv[0]))
     if out is None:
-        print(f"no {TRACE_DIR}/rank*.jsonl in {args[0]}", file=sys.stderr)
+        print(f"no {TRACE_DIR}/rank*.jsonl in {argv[0]}", file=sys.stderr)
         return 1
     print(f"{out}\n\n{table(json.loads(out.read_text()))}")
     return 0
