@@ -8,13 +8,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
+from gradsync.config import validate
 from gradsync.config.hydra import compose_command_line, node_of, schema_keys
 from gradsync.config.validate import RUNTIME, runtime_arguments
 
 
 def first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return " ".join(lines[:1]) or "unknown error"
+    """The first non-blank line of text, stripped; "unknown error" if it has none."""
+    return validate.first_line(text) or "unknown error"
 
 
 def one_line(exc: BaseException, argv: Sequence[str] = (),

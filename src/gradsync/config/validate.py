@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.components import (
     CheckContext,
@@ -37,9 +37,14 @@ from gradsync.config.schema import (
 from gradsync.data.bundle import build_data, check_bundle
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
-from gradsync.sync.layer_sync import meta_model
+from gradsync.sync.layer_sync import parameter_infos
 from gradsync.train import noise_scale
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gradsync.sync.policy import SyncPolicy
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
 
@@ -81,14 +86,15 @@ def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tu
         return DATA_SIZES
 
 
-def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
+def check_components(plain: dict[str, Any], cfg: RunConfig,
+                     world: int) -> tuple[nn.Module, SyncPolicy]:
     """Every component against its callable's signature and own checks, then against its
     contract, built as a worker builds it: the data (built once per process: data/bundle.py
     build_data) is a DataBundle with the sizes it declares; every size the model needs is
     one the data provides; the model (built on the meta device: no memory for the weights) is
     an nn.Module that fits in this machine's memory; the optimizer factory returns an
     optimizer and the LR scheduler factory a scheduler; the loss's unit; the sync policy meets
-    the policy contract."""
+    the policy contract. Returns the model and the policy it built (for the checks after it)."""
     import torch
 
     data_node, model_node = plain["data"], plain["model"]
@@ -111,8 +117,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
                  f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
                  "parameters and buffers")
     # sync.groups: every rule must match one of the model's parameters
-    ctx.provided["parameters"] = lambda: [(n, tuple(p.shape), p.dtype)
-                                          for n, p in model.named_parameters()]
+    ctx.provided["parameters"] = lambda: parameter_infos(model)
     for group in ("sync", "optimizer", "lr_scheduler"):
         check(group, plain[group], RUNTIME[group], replace(ctx, group=group))
     cfg.loss.check(data.unit, cfg.data.target)
@@ -121,7 +126,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
     check_lr_scheduler(cfg.lr_scheduler.node, optimizer, total_optimizer_steps(
         build_schedule(cfg.schedule, world, cfg.micro_batch_size), cfg.trainer.max_epochs,
         cfg.trainer.max_steps, local_samples, cfg.micro_batch_size))
-    check_policy(cfg, world)
+    return model, check_policy(cfg, world)
 
 
 def built(group: str, target: str, make: Callable[[], Any]) -> Any:
@@ -170,10 +175,11 @@ def check_policy(cfg: RunConfig, world: int) -> Any:
 
 
 
-def check_engine(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
+def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolicy) -> None:
     """What the chosen engine cannot run with the other choices (a sharded engine: fp16,
     model averaging, a unit whose parameters reduce differently...), and an engine's settings
-    given to another one (engines/fsdp.py check_config)."""
+    given to another one (engines/fsdp.py check_config). model, policy: as check_components
+    built them (the model on the meta device, else on the CPU)."""
     from gradsync.engines.fsdp import check_config
 
     tr = cfg.trainer
@@ -183,8 +189,7 @@ def check_engine(plain: dict[str, Any], cfg: RunConfig, world: int) -> None:
                     f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
                     "gradsync)", getattr(tr, key))
     check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
-                 policy=lambda: check_policy(cfg, world),
-                 model=lambda: meta_model(plain["model"], plain["data"], cfg.seed, DATA_EXTRA))
+                 policy=lambda: policy, model=lambda: model)
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:
@@ -244,8 +249,8 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
             "none, auto, or the path of a checkpoint file or run dir", cfg.resume)
     cfg.schedule.check(placement.world_size, cfg.micro_batch_size)
     cfg.precision.check(placement.device_type)
-    check_components(plain, cfg, placement.world_size)
-    check_engine(plain, cfg, placement.world_size)
+    model, policy = check_components(plain, cfg, placement.world_size)
+    check_engine(cfg, placement.world_size, model, policy)
     cfg.lr_scaling.check()
-    noise_scale.check(cfg, placement.world_size)
+    noise_scale.check(cfg, placement.world_size, policy)
     return cfg

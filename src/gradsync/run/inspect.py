@@ -6,15 +6,16 @@ is trained and no run dir is made."""
 from __future__ import annotations
 
 from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
-from gradsync.sync.layer_sync import meta_model, model_parameters, parameter_table
+from gradsync.sync.layer_sync import meta_model, parameter_infos, parameter_table
 
 INSPECT_PARAMS = "+inspect=params"
 
 
 def parameters_table(cfg: RunConfig) -> str:
     sync = cfg.sync.args
-    infos = model_parameters(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
-    table = parameter_table(infos, sync.get("groups"), sync.get("comm_dtype", "fp32"))
+    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
+    table = parameter_table(parameter_infos(model), sync.get("groups"),
+                            sync.get("comm_dtype", "fp32"))
     if cfg.trainer.engine not in SHARDED_ENGINES:
         return table
     from gradsync.components import build
@@ -24,6 +25,5 @@ def parameters_table(cfg: RunConfig) -> str:
 
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
-    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
     hsdp = cfg.trainer.engine == "hsdp"
     return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, hsdp)}"

@@ -155,10 +155,8 @@ def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
     return build_on_meta(model_node, data.sizes)
 
 
-def model_parameters(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
-                     extra: Iterable[str] = ("micro_batch_size",)) -> list[ParamInfo]:
-    """The named parameters of the model (built on the meta device: meta_model)."""
-    model = meta_model(model_node, data_node, seed, extra)
+def parameter_infos(model: nn.Module) -> list[ParamInfo]:
+    """The model's named parameters as (name, shape, dtype)."""
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 

@@ -54,6 +54,7 @@ from gradsync.sync.comm import GradientProbe
 
 if TYPE_CHECKING:
     from gradsync.config.schema import RunConfig
+    from gradsync.sync.policy import SyncPolicy
     from gradsync.train.precision import Precision
     from gradsync.train.schedules import Window
 
@@ -78,8 +79,10 @@ def measures(cfg: RunConfig) -> bool:
             or cfg.lr_scaling.name == "adascale")
 
 
-def check(cfg: RunConfig, world_size: int) -> None:
-    """What the measurement needs from the rest of the config (before any worker starts)."""
+def check(cfg: RunConfig, world_size: int, policy: SyncPolicy) -> None:
+    """What the measurement needs from the rest of the config (before any worker starts).
+    policy: the run's sync policy, as the config check built it (config/validate.py
+    check_policy)."""
     if not measures(cfg):
         return
     why = ("trainer.noise_scale=true" if cfg.trainer.noise_scale else
@@ -92,9 +95,7 @@ def check(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"{why} is measured inside the all-reduce of the "
                           f"{' or '.join(PROBED_ENGINES)} engine, not trainer.engine="
                           f"{cfg.trainer.engine}")
-    from gradsync.config.validate import check_policy
-
-    if check_policy(cfg, world_size).syncs_parameters:
+    if policy.syncs_parameters:
         raise ConfigError(f"{why} is measured around the all-reduce of the gradients; "
                           f"sync ({cfg.sync.target}) averages parameters instead: use a policy "
                           "that all-reduces gradients (accumulate, always, amp_aware)")
