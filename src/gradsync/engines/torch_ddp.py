@@ -1,12 +1,13 @@
 """trainer.engine=torch_ddp: torch's ``DistributedDataParallel``.
 
-DDP's C++ reducer puts the gradients in buckets (reverse parameter order, the first bucket
-small, then up to ``trainer.bucket_cap_mb``; rebuilt in the order gradients became ready after
-the first synchronising backward) and all-reduces each bucket as soon as it is full, overlapping
-the rest of the backward. ``no_sync()`` around a micro-batch's forward and backward keeps its
-gradients local. The policy chooses the bucket's all-reduce (its ``comm_hook``), which runs
-inside gradsync's counting hook; on CPU ranks of one host it goes through shared memory
-(``trainer.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback TCP.
+DDP's C++ reducer puts the gradients in buckets (reverse parameter order, each up to
+``trainer.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
+gradients became ready after the first synchronising backward) and all-reduces each bucket as
+soon as it is full, overlapping the rest of the backward. ``no_sync()`` around a micro-batch's
+forward and backward keeps its gradients local. The policy chooses the bucket's all-reduce (its
+``comm_hook``), which runs inside gradsync's counting hook; on CPU ranks of one host it goes
+through shared memory (``trainer.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
+TCP.
 """
 
 from __future__ import annotations
