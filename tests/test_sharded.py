@@ -18,7 +18,10 @@ ranks, through the worker's real run_training, against torch's DDP (trainer.engi
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,7 @@ from configs import SAME, losses, plain_cfg
 from gradsync.components import ConfigError
 from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain
-from gradsync.train import checkpoint
+from gradsync.train import checkpoint, dcp_safe
 
 pytestmark = [pytest.mark.dist]
 
@@ -462,3 +465,93 @@ def test_the_sweep_columns_include_bytes_per_step_and_memory():
     assert m["comm_bytes_per_step"] == 400.0 and m["grad_held_bytes"] == 44
     assert m["peak_mem_mb"] == 13.0 and m["reduce_scatter_bytes"] == 300
     assert json.dumps(m)
+
+
+# --- a checkpoint runs no one's code ----------------------------------------------------------------
+def _train_cli(run_dir: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
+                           *args], capture_output=True, text=True, env=env, timeout=240)
+
+
+def _files(ckpt_dir: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(ckpt_dir)): f.read_bytes()
+            for f in sorted(ckpt_dir.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, named", [
+    ("metadata", ".metadata: refused: it names posix.system, which is not part of a checkpoint's "
+                 "index (nothing of it was run)"),
+    ("value", "__0_0.distcp: refused: the value of optimizer.param_groups.0.lr: it names "
+              "posix.system (nothing of it was run)")])
+def test_a_planted_pickle_in_a_sharded_checkpoint_runs_nothing(runs, tmp_path, cli_env, kind,
+                                                               named):
+    """A real 2-rank FSDP run's checkpoints, a payload planted in DCP's pickled index or in one
+    of its pickled values and the sidecar's digests rewritten to match: resume=<path> and
+    resume=auto are refused with one line each, before any rank starts, the payload's file is
+    never written and the checkpoints stay as they were."""
+    ref = runs("fsdp boundary", EXACT["fsdp boundary"][1])
+    run_dir, target = tmp_path / "run", tmp_path / "payload-ran"
+    shutil.copytree(ref["dir"], run_dir)
+    ckpts = run_dir / "checkpoints"
+    for step in (4, 5):
+        sharded_cases.plant(ckpts / f"step_0000000{step}.dcp", kind, str(target))
+    before = _files(ckpts)
+    step_5 = ckpts / "step_00000005.dcp"
+    explicit = _train_cli(tmp_path / "other", [*EXACT["fsdp boundary"][1], f"resume={step_5}"],
+                          cli_env)
+    assert explicit.returncode == 2, explicit.stderr
+    assert explicit.stderr.strip().splitlines() == [f"gradsync: resume refused: {step_5}/{named}"]
+    auto = _train_cli(run_dir, [*EXACT["fsdp boundary"][1], "resume=auto"], cli_env)
+    assert auto.returncode == 2, auto.stderr
+    assert auto.stderr.strip().splitlines() == [
+        *(f"gradsync: resume: skipping {ckpts}/step_0000000{s}.dcp/{named}" for s in (5, 4)),
+        f"gradsync: resume refused: resume=auto: no intact checkpoint in {ckpts}"]
+    assert not target.exists() and "Traceback" not in explicit.stderr + auto.stderr
+    assert _files(ckpts) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["metadata", "value"])
+def test_the_ranks_read_a_checkpoint_restricted_too(runs, pool2, tmp_path, kind):
+    """The job checked an intact checkpoint; a payload swapped in after that, before the ranks
+    read it, is refused on every rank (CheckpointError naming the checkpoint) and runs
+    nothing."""
+    ref = runs("fsdp boundary", EXACT["fsdp boundary"][1])
+    copy, target = tmp_path / "copy", tmp_path / "payload-ran"
+    shutil.copytree(ref["dir"] / "checkpoints", copy / "checkpoints")
+    ckpt = copy / "checkpoints" / "step_00000004.dcp"
+    errors = pool2.run(sharded_cases.resume_planted, plain_cfg(EXACT["fsdp boundary"][1]),
+                       str(tmp_path / "run"), str(ckpt), kind, str(target))
+    assert not target.exists()
+    for error in errors:
+        assert error.startswith(f"CheckpointError: reading {ckpt} failed on rank "), error
+        assert "refused: " in error and "posix.system" in error and "\n" not in error, error
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_load_is_one_line_and_deletes_nothing(runs, tmp_path, cli_env):
+    """torch's CheckpointException is a BaseException: a tensor in a shard file that torch
+    cannot read (the end of its record zeroed, digests rewritten) ends the job with one line
+    naming the checkpoint, exit 1, no traceback, the checkpoint as it was."""
+    ref = runs("fsdp boundary", EXACT["fsdp boundary"][1])
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref["dir"], run_dir)
+    step_5 = run_dir / "checkpoints" / "step_00000005.dcp"
+    info = next(i for k, i in dcp_safe.read_metadata(step_5).storage_data.items()
+                if k.fqn == "model.0.weight" and i.relative_path == "__1_0.distcp")
+    shard = bytearray((step_5 / info.relative_path).read_bytes())
+    end = info.offset + info.length
+    shard[end - 64:end] = bytes(64)  # its zip's central directory
+    (step_5 / info.relative_path).write_bytes(shard)
+    sharded_cases.reseal(step_5)
+    before = _files(run_dir / "checkpoints")
+    out = _train_cli(run_dir, [*EXACT["fsdp boundary"][1], "resume=auto"], cli_env)
+    assert out.returncode == 1, out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("gradsync: ")]
+    assert re.fullmatch(rf"gradsync: training failed: rank [01] failed: CheckpointError: "
+                        rf"reading {step_5} failed on rank 1: RuntimeError: PytorchStreamReader "
+                        r"failed reading zip archive: failed finding central directory.*",
+                        errors[-1]), errors
+    assert "Traceback" not in out.stderr and "CheckpointException" not in out.stderr
+    assert _files(run_dir / "checkpoints") == before

@@ -247,7 +247,7 @@ def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, port: int,
     report_to(report)
     try:
         summary = worker_main(placement, cfg, run_dir, store_port=port)
-    except Exception as e:
+    except BaseException as e:  # whatever it was, reported with its message (faults.py)
         report_failure(e)  # if worker_main could not (an error before its own handler)
         exit_now(1)  # with the error's frames alive: nothing of the failed training is freed
     if summary_to is not None:  # rank 0: the launcher writes summary.json (run/summary.py)
@@ -413,6 +413,9 @@ class Watch:
                 raise Interrupted(self.signum, f"stopped by {signal_name(self.signum)} before "
                                   f"the workers could checkpoint (rank {rank}: {message})")
             raise WorkerFailed(rank, message)
+        if self.procs and not self.summary and not self.signum:  # rank 0 always sends one
+            raise WorkerFailed(0, "exited (exit code 0) without the run's summary; see "
+                               "logs/rank0.log")
 
     def _read_reports(self) -> None:
         """Take what a rank reported; a pipe closed without a report (the rank exited, or

@@ -264,7 +264,7 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
              placement.backend, device, threads, os.getpid())
     try:
         return run_training(cfg, run_path, placement)
-    except Exception as e:
+    except BaseException as e:  # torch's CheckpointException, say, is no Exception
         report_failure(e)  # to the launcher that spawned this rank (faults.py)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
         raise

@@ -23,6 +23,7 @@ from typing import IO, Any, cast
 import torch
 
 from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.train import dcp_safe
 from gradsync.train.files import replacing
 from gradsync.train.metrics import write_json_atomic
 from gradsync.train.repro import config_hash
@@ -198,6 +199,11 @@ def verify(path: Path) -> dict[str, Any]:
                           f"{meta['bytes']} written)")
     if digest(path)[1] != meta["sha256"]:
         raise ResumeError(f"{path}: corrupt checkpoint (sha256 differs from the one written)")
+    if is_sharded(path):
+        try:
+            dcp_safe.check(path)  # a pickle that would run code when a rank reads it
+        except dcp_safe.UnsafeCheckpoint as e:
+            raise ResumeError(str(e)) from None
     return meta
 
 

@@ -10,7 +10,10 @@ Atomic as the single-file checkpoints are: the ranks write into ``.step_<step>.d
 (DCP fsyncs every file), rank 0 renames it to its final name once every rank has written, then
 writes the sidecar ``step_<step>.json`` with every file's size and sha256 (train/checkpoint.py
 ``seal``): a checkpoint without its sidecar is incomplete and never resumed from. DCP's
-``.metadata`` is a pickle: the digests are verified before any rank reads it.
+``.metadata`` and its non-tensor values are pickles: they are read restricted, so a planted one
+runs nothing (train/dcp_safe.py). A failure inside DCP (torch's ``CheckpointException``, a
+``BaseException``) is a ``CheckpointError``: one line naming the checkpoint and the first rank's
+error.
 
 Loading reshards: a checkpoint written by W ranks loads on W' ranks (each rank reads the pieces
 of the shards it now owns), where the checkpoint's position in its epoch is a window boundary at
@@ -25,18 +28,39 @@ optimizer's state stays in the sharded checkpoint it names (``sharded``).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from gradsync.run.ranks import is_rank0
-from gradsync.train import checkpoint
+from gradsync.train import checkpoint, dcp_safe
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress
 
 SHARDED = ("model", "optimizer")  # what DCP keeps; train_state.pt the rest
 STATE_FILE = "train_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A sharded checkpoint that could not be written or read: one line."""
+
+
+@contextmanager
+def _one_line(path: Path, doing: str) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException, its str ~100 lines of every rank's
+    traceback) as one line: the checkpoint, and the error of the lowest rank that failed."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (exc, _) = min(e.failures.items()) if e.failures else (-1, (e, None))
+        line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{doing} {path} failed on rank {rank}: {type(exc).__name__}: "
+                              f"{line}") from None
 
 
 def _barrier(group: Any) -> None:
@@ -65,8 +89,9 @@ def write(p: Parts, state: Progress, cfg: dict[str, Any], group: Any, ckpt_dir: 
         shutil.rmtree(tmp, ignore_errors=True)  # a killed run's partial write
         tmp.mkdir(parents=True)
     _barrier(group)
-    dcp.save(_tensors(p), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-             process_group=group)
+    with _one_line(tmp, "writing"):
+        dcp.save(_tensors(p), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 process_group=group)
     _barrier(group)  # every rank's files are written (and fsynced)
     if is_rank0():
         assert rest is not None
@@ -86,7 +111,9 @@ def load(p: Parts, path: Path, rank: int, group: Any) -> Progress:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     tensors = _tensors(p)
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), process_group=group)
+    with _one_line(path, "reading"):
+        dcp.load(tensors, storage_reader=dcp_safe.reader(path), planner=dcp_safe.planner(),
+                 process_group=group)
     p.engine.load_state_dict(tensors["model"])
     set_optimizer_state_dict(p.engine.module, p.optimizer, tensors["optimizer"])
     rest = checkpoint.load(path / STATE_FILE)
