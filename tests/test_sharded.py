@@ -467,7 +467,7 @@ def test_the_sweep_columns_include_bytes_per_step_and_memory():
     assert json.dumps(m)
 
 
-# --- a checkpoint runs no one's code ----------------------------------------------------------------
+# --- a checkpoint runs no one's code -------------------------------------------------------------
 def _train_cli(run_dir: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync.run.main", f"hydra.run.dir={run_dir}",
                            *args], capture_output=True, text=True, env=env, timeout=240)

@@ -151,6 +151,7 @@ def planner() -> Any:
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
+            assert self.metadata is not None  # set_up_planner ran
             obj = load_value(value, fqn, self.metadata.storage_data[
                 read_item.storage_index].relative_path)
             if self.flatten_state_dict:
