@@ -212,6 +212,24 @@ def test_inspect_params_prints_every_parameter_and_its_rule_without_a_run(
     assert list(tmp_path.iterdir()) == []  # nothing trained, no run dir
 
 
+def test_inspect_params_with_a_config_error_prints_one_line_and_exits_2(tmp_path, monkeypatch,
+                                                                        capsys):
+    """The check runs inside Hydra's job, whose failure Hydra reports with a line of its own
+    ("Error executing job with overrides: [...]") unless gradsync ends it first."""
+    from gradsync.run import main as train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", "+inspect=params", "seed=-1"])
+    with pytest.raises(SystemExit) as e:
+        train.main()
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == ["gradsync: config error: seed=-1 is not allowed: an integer "
+                                    "in [0, 2**63)"] and out.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_sweep_summary_shows_each_jobs_bytes_and_loss_against_the_first():
     from gradsync.run.sweep import _against_first
 

@@ -88,7 +88,13 @@ def hydra_main(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hc.runtime.output_dir)
     staged = run_dir / hc.output_subdir if hc.output_subdir else None
     if _inspecting:
-        print(parameters_table(validate(to_plain(cfg))))
+        try:
+            print(parameters_table(validate(to_plain(cfg))))
+        except Exception as e:  # raised inside Hydra's job, which would print its own line
+            if _traceback_wanted():
+                raise
+            print(f"gradsync: config error: {_config_message(e)}", file=sys.stderr)
+            sys.exit(2)
         return {}
     try:
         # rank 0 holds the run dir; Hydra's files become its .hydra/ once the start is accepted
@@ -109,8 +115,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
     except Exception as e:  # a component's own check may raise anything: still one line
         if _traceback_wanted():
             raise
-        message = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-        return _refuse(mode, run_dir, claim, "config error", first_line(message))
+        return _refuse(mode, run_dir, claim, "config error", _config_message(e))
     try:
         cfg.resume = _resolve_resume(cfg, placement, run_dir)
     except ResumeError as e:
@@ -122,6 +127,12 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         if _traceback_wanted():
             raise
         return _fail(mode, run_dir, "error", f"{type(e).__name__}: {e}", 1)
+
+
+def _config_message(e: Exception) -> str:
+    """A config check's error as one line: a ConfigError's own words, anything else (a
+    component's own check) with its type."""
+    return first_line(str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}")
 
 
 def _refuse(mode: RunMode | None, run_dir: Path, claim: Claim, kind: str, message: str) -> dict:
