@@ -175,6 +175,10 @@ REFUSED = [
     (["optimizer.lr=nan"], "optimizer.lr=nan is not allowed: finite numbers"),
     (["optimizer.lr=-1"], "optimizer (torch.optim.SGD) refuses its arguments: ValueError: "
      "Invalid learning rate: -1"),
+    # torch accepts eps=0, and the loss is NaN at step 2 (a gradient of exactly 0 divided by 0)
+    (["optimizer=adamw", "optimizer.eps=0"], "optimizer.eps=0 is not allowed: a positive number "
+     "(AdamW divides by sqrt(v) + eps: with eps=0 a parameter whose gradients are 0 gets a NaN "
+     "step)"),
     (["optimizer=adamw", "optimizer.betas=[0.9]"],
      "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes tuple"),
     (["trainer.bucket_cap_mb=0"], "trainer.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),

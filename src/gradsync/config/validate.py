@@ -209,7 +209,20 @@ def check_optimizer(node: dict[str, Any]) -> Any:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer ({node['_target_']}): returned {kind_of(optimizer)}, "
                           "which is no torch.optim.Optimizer")
+    if isinstance(optimizer, _divides_by_eps()):  # torch itself accepts eps=0
+        eps = optimizer.defaults.get("eps")
+        require(not isinstance(eps, (int, float)) or eps > 0, "optimizer.eps",
+                f"a positive number ({type(optimizer).__name__} divides by sqrt(v) + eps: with "
+                "eps=0 a parameter whose gradients are 0 gets a NaN step)", eps)
     return optimizer
+
+
+def _divides_by_eps() -> tuple[type, ...]:
+    import torch
+
+    return tuple(getattr(torch.optim, name) for name in (
+        "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta",
+        "SparseAdam") if hasattr(torch.optim, name))
 
 
 def check_lr_scheduler(node: dict[str, Any], optimizer: Any, total_steps: int) -> None:
