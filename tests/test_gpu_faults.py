@@ -121,7 +121,15 @@ class NcclLikeFuture(torch.futures.Future):
         super().__init__()
         self.tensor = tensor
         self.waited = False
+        self.chained: list[torch.futures.Future] = []  # what then() returned
         self.set_result([tensor])
+
+    def then(self, callback):
+        """On nccl a CUDA future: its callback runs on a side stream that waits for the
+        collective, and the future it returns records that stream's events."""
+        child = super().then(callback)
+        self.chained.append(child)
+        return child
 
     def wait(self):
         if not self.waited:
@@ -183,6 +191,34 @@ def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monk
     out = layer_sync.grouped_allreduce(layers, bucket).wait()  # type: ignore[arg-type]
     assert len(works) == 2 and all(w.future.waited for w in works)  # fp32 and bf16: one work each
     assert out is bucket.buffer() and torch.equal(out, want)
+
+
+def test_mixed_wire_groups_hand_ddp_a_future_chained_on_the_collectives_own(monkeypatch):
+    """Issue 32 fault 3: the copy back was chained on collect_all's future, which has no
+    devices: on nccl it ran at once on the backward's compute stream, and its waits queued the
+    rest of the backward behind each all-reduce. The future DDP gets must be a then() of the
+    last work's own (CUDA) future, as torch's _allreduce_fut returns, and its value the mean."""
+    model = torch.nn.Linear(4, 2)
+    for q in model.parameters():
+        q.grad = torch.arange(q.numel(), dtype=torch.float32).reshape(q.shape) / 4
+    works: list[NcclLikeWork] = []
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        works.append(NcclLikeWork(t))
+        return works[-1]
+
+    monkeypatch.setattr(layer_sync.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(layer_sync.dist, "get_world_size", lambda group=None: 2)
+    layers = layer_sync.LayerSync([{"params": "bias", "comm_dtype": "bf16"}], None, CommCounts())
+    layers.bind(model)
+    bucket = Bucket(list(model.parameters()))
+    want = bucket.buffer().clone()
+    fut = layer_sync.grouped_allreduce(layers, bucket)  # type: ignore[arg-type]
+    assert len(works) == 2
+    assert [len(w.future.chained) for w in works] == [0, 1]
+    assert works[-1].future.chained[0] is fut
+    assert all(w.future.waited for w in works)  # each result waited on before it was read
+    assert torch.equal(fut.wait(), want)
 
 
 class HostReads(TorchFunctionMode):
