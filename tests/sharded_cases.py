@@ -48,3 +48,32 @@ def initial_model(cfg: dict) -> dict[str, torch.Tensor]:
     data = build(run_cfg.data.node, {"seed": run_cfg.seed})
     model = build(run_cfg.model.node, data.sizes)
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def run_recording_all_reduces(cfg: dict, run_dir: str) -> dict:
+    """run(), with the size of the group of every torch.distributed.all_reduce (torch's FSDP2
+    issues HSDP's all-reduce across replicas through it) and the fsdp engine's log lines."""
+    import logging
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    engine_log = logging.getLogger("gradsync.engines.fsdp")
+    engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.INFO)
+    dist.all_reduce = recording
+    try:
+        out = run(cfg, run_dir)
+    finally:
+        dist.all_reduce = real
+        engine_log.removeHandler(handler)
+        engine_log.setLevel(level)
+    return out | {"all_reduce_sizes": sizes, "log": lines}
