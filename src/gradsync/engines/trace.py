@@ -92,7 +92,7 @@ class SyncTrace:
         self.partition: tuple[tuple[str, ...], ...] = ()  # the buckets last seen
         self.file: Any = None
         self.pending: list[dict[str, Any]] = []  # events not yet written
-        self.last: dict[str, float] = {}  # the last step's wait_ms and overlap
+        self.last: dict[str, float | None] = {}  # the last step's wait_ms and overlap
         self.wait_ns = 0  # over the run: waits, busy and hidden communication time
         self.busy_ns = 0
         self.hidden_ns = 0
@@ -173,9 +173,11 @@ class SyncTrace:
                                  self.rank, STEPS_TID, m.start, m.end, {"micro_index": i}))
             w, b, h = self._buckets(m, events)
             wait, busy, hidden = wait + w, busy + b, hidden + h
-        stats: dict[str, float | None] = (
-            {"wait_ms": wait / 1e6} | ({"overlap": hidden / busy} if busy else {})
-            if self.timed else {"wait_ms": None, "overlap": None})
+        stats: dict[str, float | None] = {"wait_ms": None, "overlap": None}  # not timed
+        if self.timed:
+            stats = {"wait_ms": wait / 1e6}
+            if busy:
+                stats["overlap"] = hidden / busy
         if finished:
             self.last = stats
             self.wait_ns, self.busy_ns, self.hidden_ns = (
