@@ -175,12 +175,14 @@ def test_hsdp_counts_the_all_reduces_across_replicas(runs):
 
 
 @pytest.mark.slow
-def test_hsdp_with_one_replica_is_fsdp_on_a_1d_mesh(pool2, runs, tmp_path):
-    """Issue 32 fault 1: trainer.replicas=1 (or 0 on one host) built the mesh (1, 2), and
-    torch's FSDP2 then all-reduced every reduce-scattered shard over the 1-rank replicate group
-    with ReduceOp.AVG (wrong on NCCL < 2.29.7): 3 units x 13 micro-batches = 39 such calls per
-    rank here. Built as fsdp on a 1-D mesh: none, and the parameters fsdp trains, bit for bit."""
-    cfg = plain_cfg(EXACT["hsdp 1x2 every"][1])
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_hsdp_with_one_replica_is_fsdp_on_a_1d_mesh(pool2, runs, tmp_path, replicas):
+    """Issue 32 fault 1: trainer.replicas=1 (or 0: one per host, the pool's one host) built the
+    mesh (1, 2), and torch's FSDP2 then all-reduced every reduce-scattered shard over the
+    1-rank replicate group with ReduceOp.AVG (wrong on NCCL < 2.29.7): 3 units x 13
+    micro-batches = 39 such calls per rank here. Built as fsdp on a 1-D mesh: none, and the
+    parameters fsdp trains, bit for bit."""
+    cfg = plain_cfg([*MLP, "trainer.engine=hsdp", f"trainer.replicas={replicas}", *EVERY])
     outs = pool2.run(sharded_cases.run_recording_all_reduces, cfg, str(tmp_path))
     for out in outs:
         assert out["all_reduce_sizes"].count(1) == 0, out["all_reduce_sizes"]
