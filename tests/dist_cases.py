@@ -228,3 +228,15 @@ def train_recording_steps(cfg: dict) -> dict:
     return {"steps": steps, "samples_seen": state.samples_seen, "last_loss": state.last_loss,
             "eval": state.last_eval, "micro_steps": len(forwards),
             "params": [q.detach().clone() for q in p.engine.module.parameters()]}
+
+
+def own_gpu_refusal(gpus: list[str]) -> str | None:
+    """devices.check_own_gpu on the default group, this rank's GPU UUID gpus[rank] (on cuda:0
+    of each): its DeviceError's text, or None."""
+    from gradsync.run.devices import DeviceError, check_own_gpu
+
+    try:
+        check_own_gpu(gpus[dist.get_rank()], 0)
+    except DeviceError as e:
+        return str(e)
+    return None

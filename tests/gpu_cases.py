@@ -148,8 +148,10 @@ def train_on_gpu(cfg: dict, run_dir: str) -> dict:
     from gradsync.train import checkpoint
 
     # the CPU: to try the case itself on a gloo pool; on the GPU every rank shares cuda:0
+    # ("srun": a task that may see a GPU of its own, so one visible GPU serves every rank;
+    # torchrun's ranks share one view and are refused two to a GPU: devices.cuda_index)
     rank, world = dist.get_rank(), dist.get_world_size()
-    placement = Placement("nccl" if torch.cuda.is_available() else "gloo", world, "torchrun",
+    placement = Placement("nccl" if torch.cuda.is_available() else "gloo", world, "srun",
                           rank, rank, world)
     summary = run_training(RunConfig.from_plain(cfg), Path(run_dir), placement)
     out: dict = {"summary": summary}

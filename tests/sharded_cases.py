@@ -111,3 +111,32 @@ def resume_planted(cfg: dict, run_dir: str, ckpt: str, kind: str, target: str) -
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "resumed"
+
+
+def run_recording_all_reduces(cfg: dict, run_dir: str) -> dict:
+    """run(), with the size of the group of every torch.distributed.all_reduce (torch's FSDP2
+    issues HSDP's all-reduce across replicas through it) and the fsdp engine's log lines."""
+    import logging
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    engine_log = logging.getLogger("gradsync.engines.fsdp")
+    engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.INFO)
+    dist.all_reduce = recording
+    try:
+        out = run(cfg, run_dir)
+    finally:
+        dist.all_reduce = real
+        engine_log.removeHandler(handler)
+        engine_log.setLevel(level)
+    return out | {"all_reduce_sizes": sizes, "log": lines}

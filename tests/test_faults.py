@@ -12,6 +12,7 @@ import resource
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from cli_jobs import Job
 from configs import EXACT_RESUME, LONG_JOB
-from gradsync.run import faults, launch, rundir
+from gradsync.run import faults, launch, rundir, summary
 from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -240,6 +241,30 @@ def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
         assert code == 2 and err.startswith(f"gradsync: {refused}"), err
         assert files(run_dir) == before  # .hydra/ and train.log included
         assert [p.name for p in run_dir.glob(".*")] == [".hydra"]
+
+
+@pytest.mark.parametrize("name", ["it's", "a 'b' c", "x\\", "q\\'", "${oops}", "\\${x}",
+                                  "a=b,c[d]{e}(f):g", "plain-name_1.2"])
+def test_the_printed_resume_command_gives_hydra_the_run_dir_back(tmp_path, capsys, name):
+    """The `continue with:` line of a stopped run, run by bash as it is pasted: its last word,
+    parsed by Hydra's override parser and resolved by OmegaConf as hydra.run.dir is, is the run
+    dir, quotes, backslashes and `${` included."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    run_dir = tmp_path / name
+    with pytest.raises(SystemExit) as e:
+        summary.stopped(run_dir, {"stopped_by": "SIGTERM", "optimizer_steps": 3,
+                                  "checkpoint": "c"}, requeue=False)
+    assert e.value.code == 128 + signal.SIGTERM
+    hint = next(ln for ln in capsys.readouterr().err.splitlines() if "continue with:" in ln)
+    command = hint.split("continue with:")[1].split("(and the same overrides)")[0]
+    argv = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True,
+                          text=True, check=True).stdout.split("\0")[:-1]
+    assert argv[:2] == ["gradsync-train", "resume=auto"] and len(argv) == 3, argv
+    override = OverridesParser.create().parse_override(argv[2])
+    assert override.key_or_group == "hydra.run.dir"
+    assert OmegaConf.create({"dir": override.value()})["dir"] == str(run_dir), argv[2]
 
 
 def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path, cli_env):

@@ -134,6 +134,45 @@ def test_more_ranks_than_gpus_is_a_one_line_config_error(tmp_path, cli_env):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("srun", [False, True])
+def test_two_ranks_on_one_gpu_stop_in_one_line_not_in_nccl(tmp_path, cli_env, srun):
+    """Issue 32 fault 2 on a GPU: two env:// ranks that see only the first GPU. torchrun's
+    ranks share that view: a config error on each (exit 2) before anything starts. srun tasks
+    may have views of their own, so each takes its cuda:0: the ranks find they share one GPU
+    before nccl's first collective and stop (exit 1) in one line, not in "Duplicate GPU
+    detected" at DDP's first broadcast."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    first = cli_env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    procs = []
+    for rank in (0, 1):
+        env = cli_env | {"CUDA_VISIBLE_DEVICES": first, "RANK": str(rank), "WORLD_SIZE": "2",
+                         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if srun:
+            env["GRADSYNC_SRUN_TASK"] = "1"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gradsync.run.main", *TINY, "trainer.timeout_s=60",
+             f"hydra.run.dir={tmp_path / 'run'}"], env=env, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert "Duplicate GPU" not in "".join(errs)
+    if not srun:
+        assert codes == [2, 2], errs
+        said = "gradsync: config error: 2 ranks on this node need one GPU each on nccl, but 1 GPU"
+    else:
+        assert codes == [1, 1], errs
+        said = "gradsync: training failed: "
+    for e in errs:
+        lines = [ln for ln in e.splitlines() if ln.startswith("gradsync: ")]
+        assert len(lines) == 1 and lines[0].startswith(said), e
+        assert srun == ("were both placed on one GPU" in lines[0]), e
+
+
 def test_bf16_is_refused_exactly_where_the_gpu_emulates_it(tmp_path, cli_env):
     done = subprocess.run([sys.executable, "-m", "gradsync.run.main", *TINY, "trainer.devices=1",
                            "precision=bf16", f"hydra.run.dir={tmp_path / 'run'}"],

@@ -121,7 +121,15 @@ class NcclLikeFuture(torch.futures.Future):
         super().__init__()
         self.tensor = tensor
         self.waited = False
+        self.chained: list[torch.futures.Future] = []  # what then() returned
         self.set_result([tensor])
+
+    def then(self, callback):
+        """On nccl a CUDA future: its callback runs on a side stream that waits for the
+        collective, and the future it returns records that stream's events."""
+        child = super().then(callback)
+        self.chained.append(child)
+        return child
 
     def wait(self):
         if not self.waited:
@@ -185,6 +193,34 @@ def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monk
     assert out is bucket.buffer() and torch.equal(out, want)
 
 
+def test_mixed_wire_groups_hand_ddp_a_future_chained_on_the_collectives_own(monkeypatch):
+    """Issue 32 fault 3: the copy back was chained on collect_all's future, which has no
+    devices: on nccl it ran at once on the backward's compute stream, and its waits queued the
+    rest of the backward behind each all-reduce. The future DDP gets must be a then() of the
+    last work's own (CUDA) future, as torch's _allreduce_fut returns, and its value the mean."""
+    model = torch.nn.Linear(4, 2)
+    for q in model.parameters():
+        q.grad = torch.arange(q.numel(), dtype=torch.float32).reshape(q.shape) / 4
+    works: list[NcclLikeWork] = []
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        works.append(NcclLikeWork(t))
+        return works[-1]
+
+    monkeypatch.setattr(layer_sync.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(layer_sync.dist, "get_world_size", lambda group=None: 2)
+    layers = layer_sync.LayerSync([{"params": "bias", "comm_dtype": "bf16"}], None, CommCounts())
+    layers.bind(model)
+    bucket = Bucket(list(model.parameters()))
+    want = bucket.buffer().clone()
+    fut = layer_sync.grouped_allreduce(layers, bucket)  # type: ignore[arg-type]
+    assert len(works) == 2
+    assert [len(w.future.chained) for w in works] == [0, 1]
+    assert works[-1].future.chained[0] is fut
+    assert all(w.future.waited for w in works)  # each result waited on before it was read
+    assert torch.equal(fut.wait(), want)
+
+
 class HostReads(TorchFunctionMode):
     """Counts what would wait for the GPU on a CUDA tensor (a read of its value on the host),
     seen on the CPU through torch's function overrides."""
@@ -223,3 +259,66 @@ def test_an_averaging_round_reads_the_device_once(single_process_group):
     with HostReads() as seen:
         drift = anchor.sync(model, plain_average, None, CommCounts())
     assert seen.reads == ["__float__"] and drift == 0.0  # one rank: it is the mean
+
+
+def test_the_sync_trace_of_a_model_on_cuda_reports_no_wait_and_no_overlap():
+    """Issue 32 fault 5: on CUDA the host clocks time nothing (a nccl future completes at
+    enqueue, a gradient is "ready" when its kernel is queued): the trace reported a wait of ~0
+    and an overlap of ~1 as measured. The same records as test_wait_and_overlap_from_the_times
+    (a wait of 30 ns, an overlap of 10 / 40 on the CPU) give None on a model on (fake) cuda:0,
+    "n/a" in the table, and the buckets, bytes and wires still."""
+    from gradsync.engines.trace import BucketRecord, MicroBatch, SyncTrace, table
+
+    def traced(model: torch.nn.Module) -> SyncTrace:
+        trace = SyncTrace(0)
+        trace.watch(model)
+        m = MicroBatch(start=0, sync=True, end=200, compute_end=100)
+        m.buckets = [BucketRecord(0, ["a"], 4, "float32", ready=80, launched=90, finished=100),
+                     BucketRecord(1, ["b"], 4, "float32", ready=100, launched=100, finished=130)]
+        trace.micro = [m]
+        trace.step_end()
+        return trace
+
+    cpu = traced(torch.nn.Linear(3, 2))
+    assert cpu.last == {"wait_ms": 30 / 1e6, "overlap": 10 / 40}
+    model = torch.nn.Linear(3, 2, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gpu = traced(on_fake_cuda(model))
+    assert gpu.last == {"wait_ms": None, "overlap": None}
+    assert gpu.summary() == {"wait_ms_per_step": None, "overlap": None}
+    names = [e["name"] for e in gpu.pending]
+    assert "wait for all-reduce" not in names and "wait for all-reduce" in \
+        [e["name"] for e in cpu.pending]
+    sent = [e for e in gpu.pending if e["name"].startswith("all-reduce bucket")]
+    assert [(e["args"]["bytes"], e["args"]["wire"], e["args"]["waited_ms"],
+             e["args"]["allreduce_ms"]) for e in sent] == [(4, "float32", None, None)] * 2
+    shown = table({"traceEvents": gpu.pending})
+    assert "rank 0: 1 steps, wait n/a, overlap n/a" in shown
+    assert "| 0 | 0 | 1 | 0 | a | 4 | float32 | n/a | n/a |" in shown
+
+
+def test_no_sync_scalars_reach_tensorboard_when_the_trace_has_no_times():
+    """A step row holding the trace's None (a model on CUDA) sends no sync/ scalar; a timed
+    row sends both."""
+    class Stop(Exception):
+        pass
+
+    class Log:
+        def __init__(self) -> None:
+            self.sent: list[tuple[int, dict]] = []
+
+        def scalars(self, step, values):
+            self.sent.append((step, values))
+
+        def steps(self, rows):
+            raise Stop  # what follows (the log point's own scalars) is not this test's
+
+    steps = loop.StepLog.__new__(loop.StepLog)
+    steps.p, steps.log = SimpleNamespace(noise=None, world_size=1), Log()
+    steps.mark_t, steps.mark_samples = 0.0, 0
+    steps.rows = [{"window": 1, "sync_wait_ms": None, "sync_overlap": None},
+                  {"window": 2, "sync_wait_ms": 0.5, "sync_overlap": 0.25}]
+    steps.losses = [torch.tensor(1.0), torch.tensor(2.0)]
+    with pytest.raises(Stop):
+        steps.flush(SimpleNamespace(train_s=1.0, samples_seen=8, last_loss=0.0), None)
+    assert steps.log.sent == [(2, {"sync/wait_ms": 0.5, "sync/overlap": 0.25})]

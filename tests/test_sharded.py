@@ -177,6 +177,25 @@ def test_hsdp_counts_the_all_reduces_across_replicas(runs):
         assert s[key] == f[key], key
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_hsdp_with_one_replica_is_fsdp_on_a_1d_mesh(pool2, runs, tmp_path, replicas):
+    """Issue 32 fault 1: trainer.replicas=1 (or 0: one per host, the pool's one host) built the
+    mesh (1, 2), and torch's FSDP2 then all-reduced every reduce-scattered shard over the
+    1-rank replicate group with ReduceOp.AVG (wrong on NCCL < 2.29.7): 3 units x 13
+    micro-batches = 39 such calls per rank here. Built as fsdp on a 1-D mesh: none, and the
+    parameters fsdp trains, bit for bit."""
+    cfg = plain_cfg([*MLP, "trainer.engine=hsdp", f"trainer.replicas={replicas}", *EVERY])
+    outs = pool2.run(sharded_cases.run_recording_all_reduces, cfg, str(tmp_path))
+    for out in outs:
+        assert out["all_reduce_sizes"].count(1) == 0, out["all_reduce_sizes"]
+        assert out["log"] == ["trainer.engine=hsdp with one replica of 2 ranks: built as fsdp, "
+                              "on a 1-D mesh (no all-reduce over a 1-rank replicate group)"]
+    assert outs[0]["summary"]["engine"]["mesh"] == {"replicate": 1, "shard": 2}
+    fsdp = runs("fsdp every", EXACT["fsdp every"][1])["params"]
+    assert all(torch.equal(outs[0]["params"][k], v) for k, v in fsdp.items())
+
+
 def test_bf16_gathers_bf16_parameters_and_reduces_in_the_policys_wire(runs):
     """precision=bf16 is FSDP's MixedPrecisionPolicy: the units compute with bf16 copies of
     the parameters (gathered in bf16: half the bytes) and reduce-scatter in the policy's wire,

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+import dist_cases
 from cli_jobs import fake_scontrol
 from gradsync.run import slurm
 from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index
@@ -216,12 +217,14 @@ def test_the_run_dir_and_resume_defaults_under_slurm(bare_env):
     (4, 3, 4, True, 3),
     (4, 3, 4, False, 3),
     (8, 1, 2, False, 1),
+    (2, 3, 4, False, 1),  # srun --gpus-per-task=2: a task's two GPUs are its own (issue 32)
+    (2, 2, 4, False, 0),
 ])
 def test_each_rank_picks_its_gpu(visible, local_rank, local_world, same_view, index):
     assert cuda_index(visible, local_rank, local_world, same_view) == index
 
 
-@pytest.mark.parametrize("visible, local_world, same_view", [(2, 4, False), (1, 2, True),
+@pytest.mark.parametrize("visible, local_world, same_view", [(0, 2, False), (1, 2, True),
                                                             (3, 4, True)])
 def test_more_ranks_than_gpus_is_one_line_naming_both(visible, local_world, same_view,
                                                        monkeypatch):
@@ -233,6 +236,77 @@ def test_more_ranks_than_gpus_is_one_line_naming_both(visible, local_world, same
     assert text.startswith(f"{local_world} ranks on this node need one GPU each on nccl, but "
                            f"{visible} GPU")
     assert f"visible (CUDA_VISIBLE_DEVICES={'3,4,5'[:2 * visible - 1]})" in text
+
+
+@pytest.fixture
+def one_gpu_node(bare_env):
+    """What check_cuda reads of the CUDA driver, pinned (no GPU here): `gpus` visible, each
+    an A100; the env a launcher set is the test's."""
+    from gradsync.run import placement
+
+    def set_gpus(count: int) -> None:
+        bare_env.setattr(placement, "visible_gpus", lambda: count)
+        bare_env.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+        bare_env.setattr(torch.cuda, "get_device_name", lambda index=None: "A100")
+
+    return set_gpus
+
+
+@pytest.mark.parametrize("launcher", [{"TORCHELASTIC_RUN_ID": "x"}, {}])
+def test_two_torchrun_ranks_on_one_visible_gpu_are_one_line_before_training(
+        one_gpu_node, bare_env, launcher):
+    """Issue 32 fault 2: torchrun --nproc-per-node=2 with one GPU visible: both ranks took
+    cuda:0 (torchrun narrows no rank's view) and nccl failed at DDP's first broadcast with
+    "Duplicate GPU detected". Now the config check refuses each rank in one line."""
+    from gradsync.components import ConfigError
+    from gradsync.run.placement import check_cuda, place_job
+
+    one_gpu_node(1)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                       "LOCAL_WORLD_SIZE": "2", **launcher}.items():
+        bare_env.setenv(key, value)
+    placement = place_job("nccl", 1, cuda_available=True)
+    assert placement.launched_by == "torchrun"
+    with pytest.raises(ConfigError) as e:
+        check_cuda(placement, "bf16")
+    assert str(e.value) == (
+        "2 ranks on this node need one GPU each on nccl, but 1 GPU visible: start at most that "
+        "many ranks per node (trainer.devices, --nproc-per-node, --ntasks-per-node), or use "
+        "trainer.backend=gloo")
+
+
+def test_an_srun_task_with_two_gpus_of_its_own_trains_on_one_of_them(one_gpu_node, bare_env):
+    """srun --ntasks-per-node=4 --gpus-per-task=2: each task sees its own two GPUs, fewer than
+    the node's 4 ranks; it was refused. Task 3 takes cuda:1 of its own (3 % 2), task 2 cuda:0."""
+    from gradsync.run.placement import check_cuda, place_job
+
+    one_gpu_node(2)
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3",
+                       "LOCAL_WORLD_SIZE": "4", "GRADSYNC_SRUN_TASK": "1"}.items():
+        bare_env.setenv(key, value)
+    placement = place_job("nccl", 1, cuda_available=True)
+    assert placement.launched_by == "srun"
+    assert check_cuda(placement, "bf16") == [1]
+    bare_env.setenv("LOCAL_RANK", "2")
+    assert check_cuda(place_job("nccl", 1, cuda_available=True), "bf16") == [0]
+
+
+@pytest.mark.parametrize("gpus, refusal", [
+    (["GPU-a", "GPU-b"], [None, None]),
+    (["GPU-a", "GPU-a"], ["ranks 0 and 1 on {host} were both placed on one GPU (GPU-a: cuda:0 of "
+                          "rank 0, cuda:0 of rank 1): give each task a GPU of its own (srun "
+                          "--gpus-per-task=1), start at most as many ranks per node as it has "
+                          "GPUs (--ntasks-per-node, --nproc-per-node), or use "
+                          "trainer.backend=gloo"] * 2)])
+@pytest.mark.dist
+def test_two_ranks_placed_on_one_gpu_are_refused_on_every_rank(pool2, gpus, refusal):
+    """Two srun tasks sharing one GPU's view (no per-task binding) each take cuda:0; the
+    ranks compare their GPUs' UUIDs over a CPU group before nccl runs anything (the UUIDs
+    given here: torch.cuda.get_device_properties(device).uuid on a GPU)."""
+    import socket
+
+    got = pool2.run(dist_cases.own_gpu_refusal, gpus)
+    assert got == [r if r is None else r.format(host=socket.gethostname()) for r in refusal]
 
 
 def test_bf16_is_refused_where_the_gpu_only_emulates_it():

@@ -8,6 +8,11 @@ parameters are all-gathered before its forward (and again before its backward), 
 gradients reduce-scattered after its backward: one collective per unit. ``hsdp`` shards inside
 groups of ``world / trainer.replicas`` ranks and replicates across ``trainer.replicas`` such
 groups (a 2-D mesh): after the reduce-scatter, the shards are all-reduced across replicas.
+``hsdp`` with one replica (``trainer.replicas=1``, or 0 on one host) is built as ``fsdp``, on a
+1-D mesh, and says so in the log: on the mesh (1, W) torch's FSDP2 all-reduces every
+synchronised gradient over the 1-rank replicate group with ``ReduceOp.AVG``
+(``_get_gradient_divide_factors`` special-cases only a data-parallel size of 1), a wasted
+collective that NCCL before 2.29.7 gets wrong (it drops tail elements: NVIDIA/nccl#1950).
 
 The sync policy's decision for a micro-batch becomes each unit's
 ``set_requires_gradient_sync`` / ``set_requires_all_reduce``, per unit in the flavour its
@@ -27,6 +32,7 @@ every backward are counted from FSDP's own tensors (train/memory.py).
 
 from __future__ import annotations
 
+import logging
 import socket
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,6 +53,7 @@ from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import fsdp_param_groups
 from gradsync.train.memory import MemoryMeter, local, storage_bytes
 
+log = logging.getLogger("gradsync.engines.fsdp")  # a child of the ranks' log (run/worker.py)
 AUTO_UNITS = "auto"
 # the attribute a model names its default units with (globs over module names); none: the
 # root is the only unit
@@ -355,15 +362,19 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         raise ConfigError("a sync policy that averages parameter groups itself cannot run on "
                           f"trainer.engine={name}")
     plan = plan_units(model, fsdp_units, policy)
+    replicate = 1
     if name == "hsdp":
         replicate = replicas or _hosts()
         if world_size % replicate:
             raise ConfigError(f"trainer.engine=hsdp: {replicate} replicas do not divide the "
                               f"{world_size} ranks evenly; set trainer.replicas")
+        if replicate == 1:  # see the module's docstring
+            log.info("trainer.engine=hsdp with one replica of %d ranks: built as fsdp, on a 1-D "
+                     "mesh (no all-reduce over a 1-rank replicate group)", world_size)
+    if replicate > 1:
         mesh = init_device_mesh(device.type, (replicate, world_size // replicate),
                                 mesh_dim_names=("replicate", "shard"))
     else:
-        replicate = 1
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     param_dtype = torch.bfloat16 if precision == "bf16" else None
     reduce_scatter, all_gather = _collectives()

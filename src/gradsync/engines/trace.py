@@ -24,8 +24,12 @@ Derived per step (TensorBoard ``sync/wait_ms`` and ``sync/overlap``, summary.jso
 - *overlap*: the fraction of the time some all-reduce was in flight that the backward was still
   computing (1: communication fully hidden; 0: none of it).
 
-Times are host clocks (``time.time_ns``): on CUDA they are when the host launched work and saw
-it done; on nccl a bucket's "finished" is when its collective was enqueued (docs/engines.md).
+Times are host clocks (``time.time_ns``). They measure the collectives only where the work runs
+on the host (a model on the CPU): on CUDA a gradient is "ready" when autograd queued its kernel
+and a nccl future completes once its collective is enqueued, so the wait would read ~0 and the
+overlap ~1 whatever the GPU did. A model on CUDA therefore gets no wait and no overlap: ``None``
+in metrics.jsonl, summary.json and the trace's args, "n/a" in the table, nothing in TensorBoard;
+its trace keeps the buckets, their bytes, wires and host launch order (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -88,17 +92,20 @@ class SyncTrace:
         self.partition: tuple[tuple[str, ...], ...] = ()  # the buckets last seen
         self.file: Any = None
         self.pending: list[dict[str, Any]] = []  # events not yet written
-        self.last: dict[str, float] = {}  # the last step's wait_ms and overlap
+        self.last: dict[str, float | None] = {}  # the last step's wait_ms and overlap
         self.wait_ns = 0  # over the run: waits, busy and hidden communication time
         self.busy_ns = 0
         self.hidden_ns = 0
+        self.timed = True  # host clocks time the collectives: the model is not on CUDA (watch)
 
     now = staticmethod(time.time_ns)
 
     # --- what the engines call ------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
         """Record when each gradient becomes ready (post-accumulate-grad hooks; registered
-        before the engine's own, so they run first)."""
+        before the engine's own, so they run first). A model on CUDA is not timed (see the
+        module's docstring)."""
+        self.timed = all(p.device.type != "cuda" for p in model.parameters())
         for name, param in model.named_parameters():
             if param.requires_grad:
                 self.names[id(param)] = name
@@ -166,7 +173,11 @@ class SyncTrace:
                                  self.rank, STEPS_TID, m.start, m.end, {"micro_index": i}))
             w, b, h = self._buckets(m, events)
             wait, busy, hidden = wait + w, busy + b, hidden + h
-        stats = {"wait_ms": wait / 1e6} | ({"overlap": hidden / busy} if busy else {})
+        stats: dict[str, float | None] = {"wait_ms": None, "overlap": None}  # not timed
+        if self.timed:
+            stats = {"wait_ms": wait / 1e6}
+            if busy:
+                stats["overlap"] = hidden / busy
         if finished:
             self.last = stats
             self.wait_ns, self.busy_ns, self.hidden_ns = (
@@ -197,7 +208,7 @@ class SyncTrace:
             waited[id(b)] = max(0, b.finished - done)
             done = max(done, b.finished)
         wait = done - end
-        if wait > 0:
+        if wait > 0 and self.timed:
             events.append(_slice("wait for all-reduce", self.rank, STEPS_TID, end, done, {}))
         for b in m.buckets:
             args: dict[str, Any] = {
@@ -210,9 +221,10 @@ class SyncTrace:
                                "pid": self.rank, "tid": tid, "ts": b.ready, "args": args})
                 continue
             assert b.launched is not None and b.finished is not None
-            args |= {"ready_to_launch_ms": (b.launched - b.ready) / 1e6,
-                     "allreduce_ms": (b.finished - b.launched) / 1e6,
-                     "waited_ms": waited[id(b)] / 1e6}
+            args |= ({"ready_to_launch_ms": (b.launched - b.ready) / 1e6,
+                      "allreduce_ms": (b.finished - b.launched) / 1e6,
+                      "waited_ms": waited[id(b)] / 1e6} if self.timed else
+                     {"ready_to_launch_ms": None, "allreduce_ms": None, "waited_ms": None})
             if b.groups:
                 args["group_bytes"] = b.groups
             events.append(_slice(f"all-reduce bucket {b.index}", self.rank, tid, b.launched,
@@ -248,7 +260,9 @@ class SyncTrace:
             self.file = None
 
     def summary(self) -> dict[str, float | None]:
-        """Over the run: mean wait per step (ms) and the overlap fraction."""
+        """Over the run: mean wait per step (ms) and the overlap fraction (None on CUDA)."""
+        if not self.timed:
+            return {"wait_ms_per_step": None, "overlap": None}
         return {"wait_ms_per_step": self.wait_ns / 1e6 / self.windows if self.windows else 0.0,
                 "overlap": self.hidden_ns / self.busy_ns if self.busy_ns else None}
 
@@ -329,18 +343,25 @@ def table(trace: dict[str, Any]) -> str:
                  and not e["name"].endswith("(unfinished)")]
         waits = [e["args"]["wait_ms"] for e in steps]
         overlaps = [e["args"]["overlap"] for e in steps if "overlap" in e["args"]]
-        totals.append(f"rank {rank}: {len(steps)} steps, wait {statistics.fmean(waits or [0]):.2f}"
-                      f" ms per step, overlap {statistics.fmean(overlaps or [0]):.2f}")
+        if None in waits:  # a model on CUDA: not timed
+            totals.append(f"rank {rank}: {len(steps)} steps, wait n/a, overlap n/a (CUDA: host "
+                          "clocks do not time the collectives)")
+        else:
+            totals.append(f"rank {rank}: {len(steps)} steps, wait "
+                          f"{statistics.fmean(waits or [0]):.2f} ms per step, overlap "
+                          f"{statistics.fmean(overlaps or [0]):.2f}")
         for tid in sorted({e["tid"] for e in mine if e["tid"] >= BUCKET_TID}):
             sent = [e for e in mine if e["tid"] == tid and e["ph"] == "X"]
             kept = sum(e["name"].endswith("kept local") for e in mine if e["tid"] == tid)
             last = sent[-1]["args"] if sent else {}
+            timed = all(e["args"]["waited_ms"] is not None for e in sent)
             lines.append(
                 f"| {rank} | {tid - BUCKET_TID} | {len(sent)} | {kept} | "
                 f"{', '.join(last.get('params', []))} | {last.get('bytes', 0)} | "
                 f"{last.get('wire', '')} | "
-                f"{statistics.median([e['dur'] / 1e3 for e in sent] or [0]):.2f} | "
-                f"{statistics.fmean([e['args']['waited_ms'] for e in sent] or [0]):.2f} |")
+                + (f"{statistics.median([e['dur'] / 1e3 for e in sent] or [0]):.2f} | "
+                   f"{statistics.fmean([e['args']['waited_ms'] for e in sent] or [0]):.2f} |"
+                   if timed else "n/a | n/a |"))
     return "\n".join(totals + [""] + lines)
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # Native bf16 tensor-core math starts with Ampere (8.0); older GPUs emulate it, slowly.
 BF16_MIN_CAPABILITY = (8, 0)
@@ -46,20 +49,42 @@ def visible_gpus() -> int:
 def cuda_index(visible: int, local_rank: int, local_world: int, same_view: bool) -> int:
     """The CUDA device index of local rank `local_rank` of `local_world` ranks on this node.
 
-    As many GPUs visible as ranks on the node (or more): cuda:LOCAL_RANK. One GPU visible to
-    a rank that may have its own view (srun --gpus-per-task=1, or a scheduler's per-task
-    CUDA_VISIBLE_DEVICES): cuda:0. same_view: every rank on the node sees the same GPUs (the
-    workers gradsync spawns), so one GPU cannot serve two of them."""
-    if local_world <= visible:
-        return local_rank
-    if visible == 1 and not same_view:
-        return 0
+    same_view: every rank on the node sees the same GPUs (the workers gradsync spawns, and
+    torchrun's ranks: torchrun narrows no rank's view), so they need one each: cuda:LOCAL_RANK,
+    refused where fewer GPUs are visible than ranks (two ranks on cuda:0 fail in nccl's first
+    collective, "Duplicate GPU detected"). A rank that may have a view of its own (an srun or
+    submitit task: srun --gpus-per-task, or a scheduler's per-task CUDA_VISIBLE_DEVICES) takes
+    cuda:LOCAL_RANK % visible: cuda:0 of one GPU of its own, one of two or more of its own, or
+    its local rank's where every task sees the node's GPUs; tasks that still land on one GPU
+    are refused once their process group is up (check_own_gpu)."""
+    if visible > 0 and (local_world <= visible or not same_view):
+        return local_rank % visible
     where = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f"{visible} GPU{'s' if visible != 1 else ''} visible" + (
         f" (CUDA_VISIBLE_DEVICES={where})" if where is not None else "")
     raise DeviceError(f"{local_world} ranks on this node need one GPU each on nccl, but {seen}: "
                       "start at most that many ranks per node (trainer.devices, "
                       "--nproc-per-node, --ntasks-per-node), or use trainer.backend=gloo")
+
+
+def check_own_gpu(gpu: str, index: int, group: Any = None) -> None:
+    """Collective over `group` (a CPU one: nothing may run on nccl before this): DeviceError
+    on every rank where two ranks were placed on one GPU (`gpu`: this rank's GPU's UUID, on
+    cuda:`index`). Tasks with views of their own that share one GPU each pick cuda:0, and nccl
+    would stop at its first collective with "Duplicate GPU detected"."""
+    placed: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(placed, (gpu, socket.gethostname(), index), group=group)
+    first: dict[str, int] = {}
+    for rank, (uuid, host, cuda) in enumerate(placed):
+        if uuid in first:
+            other = first[uuid]
+            raise DeviceError(
+                f"ranks {other} and {rank} on {host} were both placed on one GPU ({uuid}: "
+                f"cuda:{placed[other][2]} of rank {other}, cuda:{cuda} of rank {rank}): give "
+                "each task a GPU of its own (srun --gpus-per-task=1), start at most as many "
+                "ranks per node as it has GPUs (--ntasks-per-node, --nproc-per-node), or use "
+                "trainer.backend=gloo")
+        first[uuid] = rank
 
 
 def check_capability(precision: str, index: int, capability: tuple[int, int], name: str) -> None:

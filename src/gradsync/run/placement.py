@@ -45,13 +45,19 @@ class Placement:
         """A rank this launcher starts: every rank is on this node and sees its GPUs."""
         return replace(self, rank=rank, local_rank=rank, local_world_size=self.world_size)
 
+    @property
+    def same_gpu_view(self) -> bool:
+        """Every rank on this node sees the same GPUs: the workers gradsync spawns and
+        torchrun's ranks do; an srun or submitit task may have GPUs of its own."""
+        return self.launched_by in (LAUNCHED_BY_GRADSYNC, "torchrun")
+
     def device(self) -> torch.device:
         """This rank's device (asked in the rank, before anything touches CUDA): its GPU on
-        nccl (cuda:LOCAL_RANK, or cuda:0 for a rank with a GPU of its own), else the CPU."""
+        nccl (devices.cuda_index), else the CPU."""
         if self.backend != "nccl":
             return torch.device("cpu")
         return torch.device("cuda", cuda_index(visible_gpus(), self.local_rank,
-                                               self.local_world_size, same_view=self.spawns))
+                                               self.local_world_size, self.same_gpu_view))
 
 
 def check_cuda(placement: Placement, precision: str) -> list[int]:

@@ -9,6 +9,7 @@ fails writes ``failed`` instead. Rank 0 of the job is the writer (ranks.is_rank0
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import sys
@@ -169,13 +170,33 @@ def report(run_dir: Path, s: dict[str, Any]) -> None:
           f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
+def run_dir_override(run_dir: Path) -> str:
+    """``hydra.run.dir=<run_dir>`` as Hydra's override parser and OmegaConf read it back: the
+    path as it is where Hydra's grammar takes it unquoted, else a quoted value (a quote, and
+    backslashes before it or at the end, escaped for Hydra; ``${`` escaped for OmegaConf)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    value = str(run_dir)
+    plain = f"hydra.run.dir={value}"
+    if not re.search(r"[\\$']", value):
+        try:
+            if OverridesParser.create().parse_override(plain).value() == value:
+                return plain
+        except HydraException:  # Hydra's grammar refuses it unquoted
+            pass
+    text = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", value)  # OmegaConf
+    text = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text)  # Hydra
+    return f"hydra.run.dir='{text}'"
+
+
 def stopped(run_dir: Path, s: dict[str, Any], requeue: bool) -> NoReturn:
     """A run stopped by a signal after checkpointing: say where, and how to go on, and exit with
     128 + the signal; under SLURM a preemption warning (SIGUSR1/SIGUSR2) requeues the job (the
     checkpoint is durable now)."""
     signum = signal.Signals[s["stopped_by"]]
     job = slurm.job_id()
-    how = (f"continue with: gradsync-train resume=auto {shlex.quote(f'hydra.run.dir={run_dir}')} "
+    how = (f"continue with: gradsync-train resume=auto {shlex.quote(run_dir_override(run_dir))} "
            "(and the same overrides)")
     if job and signum in slurm.PREEMPT_SIGNALS and requeue:
         how = slurm.requeue(job)

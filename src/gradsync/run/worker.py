@@ -22,7 +22,7 @@ from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_
 from gradsync.engines import build_engine
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
 from gradsync.run import summary as run_summary
-from gradsync.run.devices import cpu_threads, usable_cpus
+from gradsync.run.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.run.faults import (
     PROCESS_FLAG,
     StopAgreement,
@@ -241,6 +241,17 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
     return store
 
 
+def _check_own_gpu(device: torch.device, timeout_s: int) -> None:
+    """Two ranks placed on one GPU (srun tasks sharing a view): one line on every rank, not
+    nccl's "Duplicate GPU detected" at DDP's first broadcast (devices.check_own_gpu)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        check_own_gpu(str(torch.cuda.get_device_properties(device).uuid), device.index or 0,
+                      group)
+    finally:
+        dist.destroy_process_group(group)
+
+
 def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
                 store_port: int | None) -> dict[str, Any]:
     """Entry point of one rank (started by the launcher, or the torchrun process itself);
@@ -263,6 +274,8 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
     log.info("rank %d/%d up: backend=%s device=%s threads=%d pid=%d", rank, world_size,
              placement.backend, device, threads, os.getpid())
     try:
+        if device.type == "cuda" and world_size > 1:  # before nccl's first collective
+            _check_own_gpu(device, tr.timeout_s)
         return run_training(cfg, run_path, placement)
     except BaseException as e:  # torch's CheckpointException, say, is no Exception
         report_failure(e)  # to the launcher that spawned this rank (faults.py)

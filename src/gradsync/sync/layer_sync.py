@@ -373,11 +373,11 @@ def grouped_allreduce(layers: LayerSync, bucket: dist.GradBucket
 
     def copy_back(_: Any) -> torch.Tensor:
         for spans, flat, reduced in sent:
-            # A nccl work's future is done once the collective is queued, and collect_all's
-            # future carries no CUDA events: without this wait the copies below would read
-            # `flat` before nccl reduced it. Waiting on the work's own future makes this
-            # stream wait for nccl's (no host sync); on gloo it is done already. (Not
-            # work.wait(): gloo runs these callbacks before it marks the work finished.)
+            # A nccl work's future is done once the collective is queued: without this wait
+            # the copies below would read `flat` before nccl reduced it. Waiting on the work's
+            # own future makes this callback's stream wait for nccl's (no host sync); on gloo
+            # it waits for an earlier work still running. (Not work.wait(): gloo runs these
+            # callbacks before it marks the work finished.)
             reduced.wait()
             offset = 0
             for a, b in spans:
@@ -385,5 +385,9 @@ def grouped_allreduce(layers: LayerSync, bucket: dist.GradBucket
                 offset += b - a
         return buf
 
-    done = torch.futures.collect_all([reduced for _, _, reduced in sent])
-    return done.then(copy_back)
+    # Chained on the last work's own future, as torch's _allreduce_fut chains its copy: on nccl
+    # that is a CUDA future, so copy_back runs on a side stream that waits for the collectives
+    # and the returned future records its events; the backward's compute stream goes on.
+    # (collect_all's future has no devices: copy_back ran at once on the compute stream, and
+    # its waits queued the rest of the backward behind each all-reduce.)
+    return sent[-1][2].then(copy_back)
