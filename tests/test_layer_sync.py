@@ -8,6 +8,7 @@ tests/test_resume.py.)"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -219,11 +220,18 @@ def test_inspect_params_with_a_config_error_prints_one_line_and_exits_2(tmp_path
     from gradsync.run import main as train
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    # an earlier in-process call that asked for tracebacks leaves no wish behind it
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", "+inspect=params", "seed=-1"])
+    with pytest.raises(ConfigError):
+        train.main()
+    assert os.environ.get("HYDRA_FULL_ERROR") == "1" and "GRADSYNC_TRACEBACK" not in os.environ
+    capsys.readouterr()
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
     monkeypatch.setattr(sys, "argv", ["gradsync-train", "+inspect=params", "seed=-1"])
     with pytest.raises(SystemExit) as e:
         train.main()
-    assert e.value.code == 2
+    assert e.value.code == 2 and "HYDRA_FULL_ERROR" not in os.environ
     out = capsys.readouterr()
     assert out.err.splitlines() == ["gradsync: config error: seed=-1 is not allowed: an integer "
                                     "in [0, 2**63)"] and out.out == ""

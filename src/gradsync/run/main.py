@@ -261,17 +261,18 @@ def main() -> None:
               "job per torchrun, or sweep through hydra/launcher=slurm (one SLURM job per run)",
               file=sys.stderr)
         sys.exit(2)
-    # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
-    # we then print one line ourselves, or the traceback if the user asked for it.
-    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    if user_wants_traceback:
-        os.environ["GRADSYNC_TRACEBACK"] = "1"
     if any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" and not a.split("=", 1)[1].strip()
            for a in sys.argv[1:] if "=" in a):
         print("gradsync: config error: hydra.run.dir='' is not allowed: a directory path (empty "
               "would write into the current directory)", file=sys.stderr)
         sys.exit(2)
+    # Hydra prints its own multi-line errors unless HYDRA_FULL_ERROR=1, which makes it raise:
+    # we then print one line ourselves, or the traceback if the user asked for it.
+    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    before = {k: os.environ.get(k) for k in ("HYDRA_FULL_ERROR", "GRADSYNC_TRACEBACK")}
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    if user_wants_traceback:
+        os.environ["GRADSYNC_TRACEBACK"] = "1"
     cwd_importable()  # a user's own _target_ modules, next to where they run
     register_configs()
     register_resolvers()
@@ -298,6 +299,12 @@ def main() -> None:
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+        _inspecting = False
+        for key, value in before.items():  # called in-process (tests, a notebook): as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 if __name__ == "__main__":
