@@ -234,8 +234,11 @@ class GradsyncDDP:
                 yield
         finally:
             self.require_sync = previous
-        # every rank holds whole gradients (and the buckets' flat copies while they travel)
-        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
+        # every rank holds whole gradients (views into the buckets: each bucket once; else the
+        # gradients and the buckets, a second copy)
+        copies = [] if self.gradient_as_bucket_view else [b.buffer for b in self.buckets]
+        self.memory.record(storage_bytes([*(q.grad for q in self.module.parameters()),
+                                          *copies]), 0)
 
     # --- 4. backward: one parameter's gradient is ready ---------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
