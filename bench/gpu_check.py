@@ -42,6 +42,7 @@ import time
 import warnings
 import zipfile
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -477,34 +478,93 @@ def kill_and_resume(check: Check, out: Path) -> None:
 
 
 # --- 5. host syncs and peak memory per policy --------------------------------------------------
-# Each policy's documented host reads outside logging, checkpoint and check_replicas steps
-# (docs/gpus-and-slurm.md), as the source lines that make them: any other site is a FAILURE.
-DOCUMENTED_SITES = {
-    "fp16 GradScaler (one read of its inf/nan flags per window)":
-        ("gradsync/train/precision.py", "torch/amp/grad_scaler.py"),
-    "amp_aware fp16 overflow consensus (one read per no_sync backward)":
-        ("gradsync/sync/policies.py",),
-    "local SGD / DiLoCo (one read of the drift per averaging round)":
-        ("gradsync/sync/averaging.py",),
-    "PowerSGD (torch's hook synchronizes the device every compressed backward, and copies its "
-    "random Q from pageable memory when it (re)starts)":
-        ("ddp_comm_hooks/powerSGD_hook.py",),
-}
-# (label, overrides, host reads documented per window of ACCUM micro-batches, in WINDOWS windows)
-ACCUM, WINDOWS = 2, 8
-POLICIES: list[tuple[str, list[str], str]] = [
-    ("always", ["sync=always"], "0"),
-    ("accumulate", [], "0"),
-    ("amp_aware bf16 wire", ["sync=amp_aware", "sync.comm_dtype=bf16"], "0"),
-    ("amp_aware fp16 wire", ["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"],
-     f"{ACCUM} (the scaler's read, and one per no_sync backward)"),
-    ("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"],
-     "1 (torch's hook), +1 at its first compressed window"),
-    ("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], "1/2 (one per averaging)"),
-    ("DiLoCo (every 2)", ["sync=diloco", "sync.every=2"], "1/2 (one per averaging)"),
-    ("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], "0"),
-    ("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], "0"),
+@dataclass(frozen=True)
+class Costs:
+    """A policy's (or feature's) documented host syncs per window of ACCUM micro-batches outside
+    logging, checkpoint and check_replicas steps (docs/gpus-and-slurm.md): the count on CUDA
+    (None: counted and listed, no figure documented), the part of it the CPU's counter sees
+    (HostSyncs; None: not run on the CPU), and the source lines that may make them. Any other
+    line, or another count, is a FAILURE."""
+
+    label: str
+    overrides: list[str]
+    cuda: float | None
+    cpu: float | None
+    sites: tuple[str, ...] = ()
+    documented: str = "0"
+
+    def expected(self, dry: bool) -> float | None:
+        return self.cpu if dry else self.cuda
+
+
+PRECISION, SCALER = "gradsync/train/precision.py", "torch/amp/grad_scaler.py"
+NOISE = "gradsync/train/noise_scale.py"
+STDERR = "stderr (a sync in C++, no Python frame)"
+ACCUM, WINDOWS, SETUP = 2, 8, 3  # PowerSGD (start step 2) starts compressing in the set-up
+FP16 = ["precision=fp16"]
+POLICIES: list[Costs] = [
+    Costs("always", ["sync=always"], 0, 0),
+    Costs("accumulate", [], 0, 0),
+    Costs("amp_aware bf16 wire", ["sync=amp_aware", "sync.comm_dtype=bf16"], 0, 0),
+    Costs("fp16", FP16, 2, 2, (PRECISION, SCALER),
+          "2 (the GradScaler's inf/nan flags: precision.py's read and scaler.step's)"),
+    Costs("amp_aware fp16 wire", [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"], ACCUM + 1,
+          ACCUM + 1, (PRECISION, SCALER, "gradsync/sync/policies.py"),
+          f"{ACCUM + 1} (fp16's 2, and one per no_sync backward)"),
+    Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"], 1, 0,
+          ("ddp_comm_hooks/powerSGD_hook.py",),
+          "1 (torch's hook synchronizes the device: CUDA only)"),
+    Costs("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], 0.5, 0.5,
+          ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
+    Costs("DiLoCo (every 2)", ["sync=diloco", "sync.every=2"], 0.5, 0.5,
+          ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
+    Costs("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], 0, 0),
+    Costs("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], 0, 0),
+    Costs("noise scale", ["trainer.noise_scale=true"], 0, 0, (),
+          "0 (its numbers ride on a log step's read)"),
+    Costs("AdaScale", ["lr_scaling=adascale"], 1, 1, (NOISE,),
+          "1 (the noise scale's flush, every window)"),
+    Costs("adaptive schedule (every 2)",
+          ["schedule=adaptive", f"schedule.initial_accum_steps={ACCUM}",
+           f"schedule.min_accum_steps={ACCUM}", f"schedule.max_accum_steps={ACCUM}",
+           "schedule.every=2"], 0.5, 0.5, (NOISE,),
+          "1/2 (the noise scale's flush every `every` steps)"),
+    Costs("gradient_as_bucket_view=false", ["trainer.gradient_as_bucket_view=false"], 0, 0),
+    Costs("torch_ddp find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,
+          (STDERR,), "not documented (torch's C++ reducer: counted, listed)"),
+    Costs("gradsync engine", ["trainer.engine=gradsync"], 0, 0),
+    Costs("gradsync find_unused_parameters",
+          ["trainer.engine=gradsync", "trainer.find_unused_parameters=true"], 1, 1,
+          ("gradsync/engines/gradsync_ddp.py",),
+          "1 (which parameters some rank used: one read per synchronising backward)"),
 ]
+# what measure_policies writes on stderr before each policy: the syncs torch reports there
+# (outside Python calls) are the policy's that follows
+MARK = "gpu-check: host syncs of "
+
+
+def stderr_syncs(stderr: str) -> Counter[str]:
+    """Per policy label: the syncs torch reported on stderr while it ran (MARK lines)."""
+    out: Counter[str] = Counter()
+    label = None
+    for line in stderr.splitlines():
+        if line.startswith(MARK):
+            label = line[len(MARK):]
+        elif label is not None and "synchronizing CUDA operation" in line:
+            out[label] += 1
+    return out
+
+
+def judge_costs(c: Costs, measured: dict[str, Any], dry: bool) -> list[str]:
+    """What is wrong with a policy's measured host syncs: sites it is not documented to have,
+    a count other than the documented one (per window, over WINDOWS windows)."""
+    wrong = [f"undocumented site {s}" for s in measured["sites"]
+             if not any(a in s for a in c.sites)]
+    want = c.expected(dry)
+    if want is not None and measured["syncs"] != round(want * WINDOWS):
+        wrong.append(f"{measured['syncs']} in {WINDOWS} windows, documented "
+                     f"{round(want * WINDOWS)}")
+    return wrong
 
 
 def policy_costs(check: Check, out: Path) -> None:
@@ -516,35 +576,113 @@ def policy_costs(check: Check, out: Path) -> None:
         check.lines += ["```", *done.stderr.strip().splitlines()[-20:], "```"]
         return
     costs = json.loads((out / "costs.json").read_text())
-    allowed = [s for sites in DOCUMENTED_SITES.values() for s in sites]
+    hidden = stderr_syncs(done.stderr)
     ok = True
+    how = ("counted by HostSyncs (tensor reads and pageable copies, the CPU's view of a host "
+           "sync)" if TARGET.dry else "counted with torch.cuda.set_sync_debug_mode('warn') and "
+           "torch's stderr")
     check.lines.append(f"{WINDOWS} windows of {ACCUM} micro-batches per policy on one rank "
-                       f"({TARGET.backend}), after 2 set-up windows; host syncs counted with "
-                       "torch.cuda.set_sync_debug_mode('warn')"
-                       + (" (dry run: the CPU has no host syncs to count)" if TARGET.dry else ""))
+                       f"({TARGET.backend}), after {SETUP} set-up windows; host syncs {how}; "
+                       "each compared with the documented count and sites")
     check.lines += ["", "| policy | host syncs / window | documented | peak GPU MB | sites |",
                     "|---|---|---|---|---|"]
-    for label, _, documented in POLICIES:
-        c = costs[label]
-        sites = ", ".join(f"{s} x{n}" for s, n in sorted(c["sites"].items())) or "none"
-        unexpected = [s for s in c["sites"] if not any(a in s for a in allowed)]
-        ok = ok and not unexpected
-        peak = "n/a" if c["peak_mb"] is None else f"{c['peak_mb']:.1f}"
-        flag = f" (UNDOCUMENTED: {', '.join(unexpected)})" if unexpected else ""
-        check.lines.append(f"| {label} | {c['syncs'] / WINDOWS:.2f} | {documented} | {peak} | "
-                           f"{sites}{flag} |")
-    # a sync in a thread that is not in a Python call (the autograd engine's C++ code) is
-    # reported by torch on stderr instead of as a Python warning: counted here, all policies
-    hidden = done.stderr.count("synchronizing CUDA operation")
-    check.lines += ["", f"syncs reported on stderr (outside Python calls), all policies: {hidden}"]
-    check.lines += ["documented sites: " + "; ".join(
-        f"{what}: {', '.join(sites)}" for what, sites in DOCUMENTED_SITES.items())]
+    for c in POLICIES:
+        m = costs[c.label]
+        if m is None:
+            check.lines.append(f"| {c.label} | not run | {c.documented} | n/a | "
+                               "(CUDA only) |")
+            continue
+        if hidden[c.label]:
+            m["sites"][STDERR] = hidden[c.label]
+            m["syncs"] += hidden[c.label]
+        wrong = judge_costs(c, m, TARGET.dry)
+        ok = ok and not wrong
+        sites = ", ".join(f"{s} x{n}" for s, n in sorted(m["sites"].items())) or "none"
+        peak = "n/a" if m["peak_mb"] is None else f"{m['peak_mb']:.1f}"
+        flag = f" (WRONG: {'; '.join(wrong)})" if wrong else ""
+        check.lines.append(f"| {c.label} | {m['syncs'] / WINDOWS:.2f} | {c.documented} | "
+                           f"{peak} | {sites}{flag} |")
     check.status = "pass" if ok else "FAIL"
+
+
+# What the CPU counts as a host sync (HostSyncs): a tensor read on the host, a blocking copy to
+# the host from another device, a tensor built from host data for a device (a pageable copy: on
+# CUDA each waits for the stream, as torch.cuda.set_sync_debug_mode reports)
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "cpu")
+HOST_BUILDS = ("tensor", "as_tensor")
+# the counter's own frames and torch's: a site is the first frame outside them (but the torch
+# files that make syncs of their own, as the CUDA count names them)
+NOT_A_SITE = ("bench/gpu_check.py", "torch/overrides.py", "torch/_tensor.py", "torch/utils/")
+
+
+class HostSyncs:
+    """Counts, by source line, what would be a host sync on CUDA where set_sync_debug_mode
+    cannot (the CPU: a dry run, the tests): the tensor methods that read a tensor on the host
+    or copy it there (HOST_READS; ``to`` the CPU from another device, blocking) and the torch
+    functions that build a tensor from host data for an explicit device (HOST_BUILDS with
+    ``device=``). They are wrapped on torch.Tensor and torch while it counts (not a torch
+    function mode: a mode is off inside the autograd engine, where the backward hooks run, and
+    those make host reads too). A sync that torch's C++ makes by itself, or one made only on
+    CUDA (``torch.cuda.synchronize``), is not counted: CUDA's count can only be higher."""
+
+    def __init__(self) -> None:
+        self.sites: Counter[str] = Counter()
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    @staticmethod
+    def syncs(name: str, args: tuple, kwargs: dict) -> bool:
+        import torch
+
+        if name in HOST_BUILDS:
+            return kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor)
+        if name == "to":
+            target = kwargs.get("device", next((a for a in args[1:] if isinstance(
+                a, (str, torch.device))), None))
+            return (target is not None and not kwargs.get("non_blocking", False)
+                    and torch.device(target).type == "cpu" and args[0].device.type != "cpu")
+        return True
+
+    @staticmethod
+    def site() -> str:
+        frame = sys._getframe(2)
+        while frame.f_back is not None and any(
+                n in frame.f_code.co_filename.replace(os.sep, "/") for n in NOT_A_SITE):
+            frame = frame.f_back
+        where = "/".join(frame.f_code.co_filename.replace(os.sep, "/").split("/")[-3:])
+        return f"{where}:{frame.f_lineno}"
+
+    def _wrap(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        self.saved.append((owner, name, owner.__dict__.get(name)))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.syncs(name, args, kwargs):
+                self.sites[self.site()] += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> HostSyncs:
+        import torch
+
+        for name in (*HOST_READS, "to"):
+            self._wrap(torch.Tensor, name)
+        for name in HOST_BUILDS:
+            self._wrap(torch, name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, before in reversed(self.saved):
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.saved = []
 
 
 def measure_policies(path: Path) -> None:
     """Child process: each policy on a 1-rank group (nccl on cuda:0; gloo on the CPU in a dry
-    run), counting host syncs (measure_policy)."""
+    run), counting host syncs (measure_policy); None for one the target cannot run."""
     import torch
     import torch.distributed as dist
 
@@ -554,13 +692,19 @@ def measure_policies(path: Path) -> None:
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
-    results = {label: measure_policy(overrides, device) for label, overrides, _ in POLICIES}
+    results = {}
+    for c in POLICIES:
+        sys.stderr.flush()
+        os.write(2, f"{MARK}{c.label}\n".encode())
+        results[c.label] = (None if TARGET.dry and c.cpu is None
+                            else measure_policy(c.overrides, device))
+    sys.stderr.flush()
     dist.destroy_process_group()
     path.write_text(json.dumps(results))
 
 
 def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
-    """2 set-up windows, then WINDOWS windows as train() runs them between two log steps
+    """SETUP set-up windows, then WINDOWS windows as train() runs them between two log steps
     (run_window, optimizer_step, the policy's after_window), under set_sync_debug_mode("warn"):
     the host syncs, by source line, and the peak of allocated GPU memory."""
     import torch
@@ -572,14 +716,14 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     from gradsync.run.placement import Placement
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
+    from gradsync.train.lr_scaling import ScaledLR
     from gradsync.train.schedules import Shard, plan_epoch
 
     cuda = device.type == "cuda"
-    if not cuda and "precision=fp16" in overrides:  # the GradScaler: CUDA only
-        return {"syncs": 0, "sites": {}, "peak_mb": None}
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
                          "data=synthetic", "data.num_samples=2048",
-                         f"schedule.accum_steps={ACCUM}", *overrides])
+                         *([] if any(o.startswith("schedule=") for o in overrides)
+                           else [f"schedule.accum_steps={ACCUM}"]), *overrides])
     validate(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
@@ -587,28 +731,37 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     batches = epoch_batches(p.loader, 0)
     p.policy.start(p.engine.module, 0)
 
-    def window(k: int) -> None:
+    def window(k: int) -> None:  # train()'s window, but its logging
         run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
-                   p.normalizer)
-        optimizer_step(p, want_norm=False)
+                   p.normalizer, p.noise)
+        if p.noise is not None:
+            p.noise.end_window(k + 1, plan[k], p.normalizer, p.precision, p.engine.parameters())
+        if isinstance(p.lr_scheduler, ScaledLR):
+            p.lr_scheduler.before_step(plan[k], p.noise)
+        stepped, _ = optimizer_step(p, want_norm=False)
+        if stepped:
+            p.schedule.after_step(k + 1, p.noise)
         p.policy.after_window(p.engine.module, k + 1)
 
-    for k in range(2):
+    for k in range(SETUP):
         window(k)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    with warnings.catch_warnings(record=True) as caught:
+    sites: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught, \
+            nullcontext() if cuda else HostSyncs() as counter:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            for k in range(2, 2 + WINDOWS):
+            for k in range(SETUP, SETUP + WINDOWS):
                 window(k)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    sites: Counter[str] = Counter()
+    if counter is not None:
+        sites = counter.sites
     for w in caught:
         if "synchroniz" in str(w.message):
             where = "/".join(str(w.filename).replace(os.sep, "/").split("/")[-3:])
