@@ -12,9 +12,17 @@
    which GPU: each rank on its own GPU only, the launcher on none; the same job under torchrun;
 3. bf16 and fp16 runs (bf16 refused where the GPU only emulates it);
 4. kill -9 and resume=auto, bitwise against an uninterrupted run (trainer.deterministic=true);
-5. per policy: host syncs per optimizer step (torch.cuda.set_sync_debug_mode("warn"), each
-   site listed against the documented ones) and peak GPU memory;
-6. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
+5. per policy and feature (fp16, PowerSGD, local SGD, the noise scale, AdaScale, the adaptive
+   schedule, find_unused_parameters, gradient_as_bucket_view=false, the gradsync engine): host
+   syncs per window on one rank (torch.cuda.set_sync_debug_mode("warn") and torch's stderr; on
+   the CPU, HostSyncs), each site and the count against that policy's documented ones
+   (docs/gpus-and-slurm.md: any other is a FAILURE), and peak GPU memory;
+6. every engine (torch_ddp, gradsync, fsdp, hsdp) with every policy and feature of 5 (those
+   the config check allows), trace_sync and check_replicas, on 2 ranks: nccl, each rank on its
+   own GPU, where the machine has 2 or more GPUs; both ranks on the one GPU through a
+   "cuda:gloo" group where it has one; each run completes, with the loss of torch_ddp's run of
+   the same policy;
+7. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
    data, both timed between two torch.cuda.synchronize() (the ratio is the figure).
 
 `--wheels DIR` (make gpu-check PY=python3): gradsync, Hydra, pytest and their pure-Python
@@ -530,14 +538,20 @@ POLICIES: list[Costs] = [
            "schedule.every=2"], 0.5, 0.5, (NOISE,),
           "1/2 (the noise scale's flush every `every` steps)"),
     Costs("gradient_as_bucket_view=false", ["trainer.gradient_as_bucket_view=false"], 0, 0),
-    Costs("torch_ddp find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,
+    Costs("find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,
           (STDERR,), "not documented (torch's C++ reducer: counted, listed)"),
     Costs("gradsync engine", ["trainer.engine=gradsync"], 0, 0),
-    Costs("gradsync find_unused_parameters",
+    Costs("gradsync engine, find_unused_parameters",
           ["trainer.engine=gradsync", "trainer.find_unused_parameters=true"], 1, 1,
           ("gradsync/engines/gradsync_ddp.py",),
           "1 (which parameters some rank used: one read per synchronising backward)"),
 ]
+def with_accum(overrides: list[str]) -> list[str]:
+    """`overrides`, windows of ACCUM micro-batches first unless they choose the schedule."""
+    own = any(o.startswith("schedule=") for o in overrides)
+    return [*([] if own else [f"schedule.accum_steps={ACCUM}"]), *overrides]
+
+
 # what measure_policies writes on stderr before each policy: the syncs torch reports there
 # (outside Python calls) are the policy's that follows
 MARK = "gpu-check: host syncs of "
@@ -721,9 +735,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 
     cuda = device.type == "cuda"
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
-                         "data=synthetic", "data.num_samples=2048",
-                         *([] if any(o.startswith("schedule=") for o in overrides)
-                           else [f"schedule.accum_steps={ACCUM}"]), *overrides])
+                         "data=synthetic", "data.num_samples=2048", *with_accum(overrides)])
     validate(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
@@ -770,7 +782,159 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
             "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
 
 
-# --- 6. LM tokens/s next to a hand-written loop ------------------------------------------------
+# --- 6. every engine and policy on 2 ranks ----------------------------------------------------
+# 2 ranks: nccl, each on its own GPU, where the machine has 2 or more; where it has one, both
+# ranks on cuda:0 through a default group made as "cuda:gloo" (like nccl it serves CUDA tensors
+# only; nccl refuses 2 ranks on one GPU); gloo on the CPU in a dry run. Every policy and feature
+# of the host-sync table (the engine rows: on every engine) on every engine, through the
+# worker's real run_training: 128 samples, micro-batches of 8, N = 2: 4 windows per rank;
+# PowerSGD compresses from step 2, local SGD / DiLoCo average every 2 steps, a checkpoint and a
+# log at every second step, the trace on.
+ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
+ENGINE_ARGS = {"hsdp": ["trainer.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
+MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
+               "data.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
+               "trainer.log_every=2",
+               "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
+MATRIX_EXTRA = [("trace_sync", ["trainer.trace_sync=true"]),
+                ("check_replicas", ["trainer.check_replicas=1"]),
+                ("local SGD (every 2), check_replicas",
+                 ["sync=local_sgd", "sync.every=2", "trainer.check_replicas=1"])]
+# the same policy on another engine: the same training, up to float rounding (relative)
+ENGINE_LOSS_RTOL = 1e-3
+
+
+def matrix_cases() -> list[tuple[str, str, list[str]]]:
+    """(engine, policy label, overrides): each policy or feature of POLICIES not tied to an
+    engine, and MATRIX_EXTRA, on each engine."""
+    rows = [(c.label, c.overrides) for c in POLICIES
+            if not any(o.startswith("trainer.engine=") for o in c.overrides)] + MATRIX_EXTRA
+    return [(e, label, ["trainer.engine=" + e, *ENGINE_ARGS.get(e, []), *overrides])
+            for e in ENGINES for label, overrides in rows]
+
+
+def matrix_placement(rank: int, gpus: int, dry: bool) -> tuple[str, Any]:
+    """(the default group's backend, the rank's Placement as the worker reads it): one of 2
+    torchrun ranks on its own GPU (cuda:LOCAL_RANK of 2) where there are 2 or more, else alone
+    on its node's one GPU (local rank 0 of 1: cuda:0, the two share it, on cuda:gloo); the CPU
+    on gloo in a dry run."""
+    from gradsync.run.placement import Placement
+
+    if dry:
+        return "gloo", Placement("gloo", 2, "torchrun", rank, rank, 2)
+    if gpus >= 2:
+        return "nccl", Placement("nccl", 2, "torchrun", rank, rank, 2)
+    return "cuda:gloo", Placement("nccl", 2, "torchrun", rank, 0, 1)
+
+
+def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str) -> None:
+    """One of the 2 ranks (torch.multiprocessing.spawn): every case of matrix_cases on the
+    default group; rank 0 writes {case: result} and each rank's device to `path`."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.components import ConfigError
+    from gradsync.config.validate import validate
+    from gradsync.run.main import compose_plain
+    from gradsync.run.placement import Placement
+    from gradsync.run.worker import run_training
+
+    TARGET.dry = dry
+    group, placement = matrix_placement(rank, gpus, dry)
+    backend = placement.backend
+    device = placement.device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    dist.init_process_group(group, store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    for engine, label, overrides in matrix_cases():
+        name = f"{engine} / {label}"
+        plain = compose_plain([f"trainer.backend={backend}", "trainer.devices=2",
+                               *(["trainer.threads_per_worker=1"] if dry else []),
+                               *MATRIX_BASE, *with_accum(overrides)])
+        try:
+            cfg = validate(plain, Placement(backend, 2))
+        except ConfigError as e:
+            results[name] = {"refused": str(e).splitlines()[0]}
+            continue
+        started = time.monotonic()
+        try:
+            s = run_training(cfg, Path(out) / engine / label.replace(" ", "_"), placement)
+        except Exception as e:  # the group may be stuck: the rest is not run
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            break
+        results[name] = {"status": s["status"], "loss": s["final_train_loss"],
+                         "steps": s["optimizer_steps"], "s": time.monotonic() - started}
+    devices = [None, None]
+    dist.all_gather_object(devices, str(device))
+    if rank == 0:
+        Path(path).write_text(json.dumps({"results": results, "devices": devices,
+                                          "group": group}))
+    dist.destroy_process_group()
+
+
+def measure_matrix(path: Path, out: Path) -> None:
+    """Child process: the 2 ranks of matrix_rank."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gpus = 0 if TARGET.dry else torch.cuda.device_count()
+    mp.spawn(matrix_rank, args=(port, str(path), TARGET.dry, gpus, str(out)), nprocs=2)
+
+
+def engine_matrix(check: Check, out: Path) -> None:
+    shutil.rmtree(out / "matrix", ignore_errors=True)
+    done = subprocess.run([sys.executable, __file__, "--matrix", str(out / "matrix.json"),
+                           *(["--dry-run"] if TARGET.dry else [])], capture_output=True,
+                          text=True, env=child_env(), cwd=REPO, timeout=600)
+    if done.returncode != 0 or not (out / "matrix.json").exists():
+        check.done(False, f"the 2-rank runs failed: {last_line(done.stderr)}")
+        check.lines += ["```", *done.stderr.strip().splitlines()[-20:], "```"]
+        return
+    got = json.loads((out / "matrix.json").read_text())
+    results, devices = got["results"], got["devices"]
+    shared = got["group"] == "cuda:gloo"
+    placed = devices == (["cuda:0", "cuda:0"] if shared else
+                         ["cpu", "cpu"] if TARGET.dry else ["cuda:0", "cuda:1"])
+    check.lines.append(f"2 ranks, default group {got['group']}, ranks on {devices}"
+                       + (" (one GPU: the two share it)" if shared else "")
+                       + ("" if placed else ": NOT the placement stated"))
+    check.lines += ["", "| engine / policy | result |", "|---|---|"]
+    ok = placed
+    for engine, label, _ in matrix_cases():
+        name = f"{engine} / {label}"
+        r = results.get(name)
+        if r is None:
+            ok, text = False, "not run (an earlier case failed)"
+        elif "refused" in r:
+            text = f"refused by the config check: {r['refused']}"
+        elif "error" in r:
+            ok, text = False, f"FAILED: {r['error']}"
+        else:
+            ref = results.get(f"{ENGINES[0]} / {label}", {}).get("loss", r["loss"])
+            same = abs(r["loss"] - ref) <= ENGINE_LOSS_RTOL * abs(ref)
+            good = r["status"] == "completed" and r["loss"] == r["loss"] and same
+            ok = ok and good
+            text = f"{r['status']}, {r['steps']} steps, loss {r['loss']:.6f} ({r['s']:.1f} s)"
+            if not good:
+                text += " FAILED" + ("" if same else f": {ENGINES[0]}'s loss is {ref:.6f}")
+        check.lines.append(f"| {name} | {text} |")
+    ran = sum("status" in r for r in results.values())
+    check.lines.insert(1, f"{ran} runs, {sum('refused' in r for r in results.values())} "
+                          "combinations refused by the config check")
+    check.status = "pass" if ok else "FAIL"
+
+
+# --- 7. LM tokens/s next to a hand-written loop ------------------------------------------------
 LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0"]
 LM_DRY = ["data.num_samples=128"]  # the CPU: a taste, not a measurement
 
@@ -926,6 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handwritten-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
     ap.add_argument("--gradsync-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
     ap.add_argument("--policy-costs", type=Path, metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--matrix", type=Path, metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     TARGET.dry = args.dry_run
     for flag, fn in ((args.handwritten_lm, handwritten_lm), (args.gradsync_lm, gradsync_lm)):
@@ -934,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if args.policy_costs:
         measure_policies(args.policy_costs)
+        return 0
+    if args.matrix:
+        measure_matrix(args.matrix, args.matrix.with_suffix(""))
         return 0
     out: Path = args.out or OUT.with_name("gpu-check-dry" if TARGET.dry else "gpu-check")
     problem = None if TARGET.dry else cuda_problem()
@@ -967,6 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
              ("bf16 and fp16", lambda c: precisions(c, out)),
              ("kill -9 and resume, bitwise", lambda c: kill_and_resume(c, out)),
              ("host syncs and peak GPU memory per policy", lambda c: policy_costs(c, out)),
+             ("every engine and policy on 2 ranks", lambda c: engine_matrix(c, out)),
              ("LM tokens/s vs a hand-written loop",
               lambda c: lm_throughput(c, 1 if TARGET.dry else LM_EPOCHS))]
     started_all = time.monotonic()

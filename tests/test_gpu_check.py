@@ -166,3 +166,22 @@ def test_host_sync_sites_and_counts_are_judged_per_policy():
                      "Warning: synchronizing CUDA operation y",
                      "Warning: synchronizing CUDA operation z"])
     assert gpu_check.stderr_syncs(err) == {"always": 1, "PowerSGD": 2}
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_ranks_said_to_share_a_gpu_share_it_and_the_others_have_their_own(gpus, monkeypatch):
+    """Where the worker puts the 2 ranks (Placement.device, with `gpus` GPUs visible: faked, the
+    CPU has none): tests/gpu_cases.py's shared-GPU cases on cuda:0 for both ranks on any box
+    (rank 1 went to cuda:1 on a box of 2 or more); gpu-check's 2-rank step on cuda:0 and cuda:1
+    (nccl) where there are 2 or more, on cuda:0 for both (cuda:gloo) where there is one."""
+    import gpu_cases
+
+    monkeypatch.setattr("gradsync.run.placement.visible_gpus", lambda: gpus)
+    shared = [str(gpu_cases.shared_gpu_placement("nccl", r, 2).device()) for r in (0, 1)]
+    assert shared == ["cuda:0", "cuda:0"]
+    layout = [gpu_check.matrix_placement(r, gpus, dry=False) for r in (0, 1)]
+    devices = [str(placement.device()) for _, placement in layout]
+    if gpus == 1:
+        assert [g for g, _ in layout] == ["cuda:gloo"] * 2 and devices == ["cuda:0", "cuda:0"]
+    else:
+        assert [g for g, _ in layout] == ["nccl"] * 2 and devices == ["cuda:0", "cuda:1"]

@@ -146,11 +146,11 @@ def test_a_non_finite_parameter_on_one_rank_stops_every_rank_at_once_with_one_li
     cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=4", "sync.warmup_steps=0",
                      "trainer.checkpoint_every=3"])
     out = pool2.run(local_sgd_cases.non_finite_on_one_rank, cfg, str(tmp_path), 1, 3,
-                    timeout=30)
+                    timeout=45)
     line = ("non-finite parameters on rank 1 after optimizer step 3 (fp32); stopped, the last "
             "good checkpoint stays in checkpoints/")
     assert [r["error"] for r in out] == [line, line]
-    assert all(r["seconds"] < 20 for r in out), out
+    assert all(r["seconds"] < 30 for r in out), out  # the group's timeout: 60 s
     assert not (tmp_path / "checkpoints" / "last.pt").exists()  # nothing diverged was saved
 
 

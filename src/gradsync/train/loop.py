@@ -313,7 +313,8 @@ def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
     verdict goes into one all-reduce (a slot per rank: who diverged), so all ranks stop together
     with the same line instead of the others waiting in the checkpoint's gather. A sharded
     engine's rank checks its shards."""
-    finite = torch.stack([torch.isfinite(local(q)).all() for q in model.parameters()]).all()
+    finite = torch.stack([torch.isfinite(t).all() for q in model.parameters()
+                          if (t := local(q)) is not None]).all()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     bad = torch.zeros(world, dtype=torch.int32, device=finite.device)
     bad[dist.get_rank() if world > 1 else 0] = ~finite
