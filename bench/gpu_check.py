@@ -12,9 +12,17 @@
    which GPU: each rank on its own GPU only, the launcher on none; the same job under torchrun;
 3. bf16 and fp16 runs (bf16 refused where the GPU only emulates it);
 4. kill -9 and resume=auto, bitwise against an uninterrupted run (trainer.deterministic=true);
-5. per policy: host syncs per optimizer step (torch.cuda.set_sync_debug_mode("warn"), each
-   site listed against the documented ones) and peak GPU memory;
-6. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
+5. per policy and feature (fp16, PowerSGD, local SGD, the noise scale, AdaScale, the adaptive
+   schedule, find_unused_parameters, gradient_as_bucket_view=false, the gradsync engine): host
+   syncs per window on one rank (torch.cuda.set_sync_debug_mode("warn") and torch's stderr; on
+   the CPU, HostSyncs), each site and the count against that policy's documented ones
+   (docs/gpus-and-slurm.md: any other is a FAILURE), and peak GPU memory;
+6. every engine (torch_ddp, gradsync, fsdp, hsdp) with every policy and feature of 5 (those
+   the config check allows), trace_sync and check_replicas, on 2 ranks: nccl, each rank on its
+   own GPU, where the machine has 2 or more GPUs; both ranks on the one GPU through a
+   "cuda:gloo" group where it has one; each run completes, with the loss of torch_ddp's run of
+   the same policy;
+7. the LM experiment's tokens/s on one GPU next to a hand-written loop of the same model and
    data, both timed between two torch.cuda.synchronize() (the ratio is the figure).
 
 `--wheels DIR` (make gpu-check PY=python3): gradsync, Hydra, pytest and their pure-Python
@@ -42,6 +50,7 @@ import time
 import warnings
 import zipfile
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -477,34 +486,99 @@ def kill_and_resume(check: Check, out: Path) -> None:
 
 
 # --- 5. host syncs and peak memory per policy --------------------------------------------------
-# Each policy's documented host reads outside logging, checkpoint and check_replicas steps
-# (docs/gpus-and-slurm.md), as the source lines that make them: any other site is a FAILURE.
-DOCUMENTED_SITES = {
-    "fp16 GradScaler (one read of its inf/nan flags per window)":
-        ("gradsync/train/precision.py", "torch/amp/grad_scaler.py"),
-    "amp_aware fp16 overflow consensus (one read per no_sync backward)":
-        ("gradsync/sync/policies.py",),
-    "local SGD / DiLoCo (one read of the drift per averaging round)":
-        ("gradsync/sync/averaging.py",),
-    "PowerSGD (torch's hook synchronizes the device every compressed backward, and copies its "
-    "random Q from pageable memory when it (re)starts)":
-        ("ddp_comm_hooks/powerSGD_hook.py",),
-}
-# (label, overrides, host reads documented per window of ACCUM micro-batches, in WINDOWS windows)
-ACCUM, WINDOWS = 2, 8
-POLICIES: list[tuple[str, list[str], str]] = [
-    ("always", ["sync=always"], "0"),
-    ("accumulate", [], "0"),
-    ("amp_aware bf16 wire", ["sync=amp_aware", "sync.comm_dtype=bf16"], "0"),
-    ("amp_aware fp16 wire", ["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"],
-     f"{ACCUM} (the scaler's read, and one per no_sync backward)"),
-    ("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"],
-     "1 (torch's hook), +1 at its first compressed window"),
-    ("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], "1/2 (one per averaging)"),
-    ("DiLoCo (every 2)", ["sync=diloco", "sync.every=2"], "1/2 (one per averaging)"),
-    ("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], "0"),
-    ("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], "0"),
+@dataclass(frozen=True)
+class Costs:
+    """A policy's (or feature's) documented host syncs per window of ACCUM micro-batches outside
+    logging, checkpoint and check_replicas steps (docs/gpus-and-slurm.md): the count on CUDA
+    (None: counted and listed, no figure documented), the part of it the CPU's counter sees
+    (HostSyncs; None: not run on the CPU), and the source lines that may make them. Any other
+    line, or another count, is a FAILURE."""
+
+    label: str
+    overrides: list[str]
+    cuda: float | None
+    cpu: float | None
+    sites: tuple[str, ...] = ()
+    documented: str = "0"
+
+    def expected(self, dry: bool) -> float | None:
+        return self.cpu if dry else self.cuda
+
+
+PRECISION, SCALER = "gradsync/train/precision.py", "torch/amp/grad_scaler.py"
+NOISE = "gradsync/train/noise_scale.py"
+STDERR = "stderr (a sync in C++, no Python frame)"
+ACCUM, WINDOWS, SETUP = 2, 8, 3  # PowerSGD (start step 2) starts compressing in the set-up
+FP16 = ["precision=fp16"]
+POLICIES: list[Costs] = [
+    Costs("always", ["sync=always"], 0, 0),
+    Costs("accumulate", [], 0, 0),
+    Costs("amp_aware bf16 wire", ["sync=amp_aware", "sync.comm_dtype=bf16"], 0, 0),
+    Costs("fp16", FP16, 2, 2, (PRECISION, SCALER),
+          "2 (the GradScaler's inf/nan flags: precision.py's read and scaler.step's)"),
+    Costs("amp_aware fp16 wire", [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"], ACCUM + 1,
+          ACCUM + 1, (PRECISION, SCALER, "gradsync/sync/policies.py"),
+          f"{ACCUM + 1} (fp16's 2, and one per no_sync backward)"),
+    Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"], 1, 0,
+          ("ddp_comm_hooks/powerSGD_hook.py",),
+          "1 (torch's hook synchronizes the device: CUDA only)"),
+    Costs("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], 0.5, 0.5,
+          ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
+    Costs("DiLoCo (every 2)", ["sync=diloco", "sync.every=2"], 0.5, 0.5,
+          ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
+    Costs("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], 0, 0),
+    Costs("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], 0, 0),
+    Costs("noise scale", ["trainer.noise_scale=true"], 0, 0, (),
+          "0 (its numbers ride on a log step's read)"),
+    Costs("AdaScale", ["lr_scaling=adascale"], 1, 1, (NOISE,),
+          "1 (the noise scale's flush, every window)"),
+    Costs("adaptive schedule (every 2)",
+          ["schedule=adaptive", f"schedule.initial_accum_steps={ACCUM}",
+           f"schedule.min_accum_steps={ACCUM}", f"schedule.max_accum_steps={ACCUM}",
+           "schedule.every=2"], 0.5, 0.5, (NOISE,),
+          "1/2 (the noise scale's flush every `every` steps)"),
+    Costs("gradient_as_bucket_view=false", ["trainer.gradient_as_bucket_view=false"], 0, 0),
+    Costs("find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,
+          (STDERR,), "not documented (torch's C++ reducer: counted, listed)"),
+    Costs("gradsync engine", ["trainer.engine=gradsync"], 0, 0),
+    Costs("gradsync engine, find_unused_parameters",
+          ["trainer.engine=gradsync", "trainer.find_unused_parameters=true"], 1, 1,
+          ("gradsync/engines/gradsync_ddp.py",),
+          "1 (which parameters some rank used: one read per synchronising backward)"),
 ]
+def with_accum(overrides: list[str]) -> list[str]:
+    """`overrides`, windows of ACCUM micro-batches first unless they choose the schedule."""
+    own = any(o.startswith("schedule=") for o in overrides)
+    return [*([] if own else [f"schedule.accum_steps={ACCUM}"]), *overrides]
+
+
+# what measure_policies writes on stderr before each policy: the syncs torch reports there
+# (outside Python calls) are the policy's that follows
+MARK = "gpu-check: host syncs of "
+
+
+def stderr_syncs(stderr: str) -> Counter[str]:
+    """Per policy label: the syncs torch reported on stderr while it ran (MARK lines)."""
+    out: Counter[str] = Counter()
+    label = None
+    for line in stderr.splitlines():
+        if line.startswith(MARK):
+            label = line[len(MARK):]
+        elif label is not None and "synchronizing CUDA operation" in line:
+            out[label] += 1
+    return out
+
+
+def judge_costs(c: Costs, measured: dict[str, Any], dry: bool) -> list[str]:
+    """What is wrong with a policy's measured host syncs: sites it is not documented to have,
+    a count other than the documented one (per window, over WINDOWS windows)."""
+    wrong = [f"undocumented site {s}" for s in measured["sites"]
+             if not any(a in s for a in c.sites)]
+    want = c.expected(dry)
+    if want is not None and measured["syncs"] != round(want * WINDOWS):
+        wrong.append(f"{measured['syncs']} in {WINDOWS} windows, documented "
+                     f"{round(want * WINDOWS)}")
+    return wrong
 
 
 def policy_costs(check: Check, out: Path) -> None:
@@ -516,35 +590,113 @@ def policy_costs(check: Check, out: Path) -> None:
         check.lines += ["```", *done.stderr.strip().splitlines()[-20:], "```"]
         return
     costs = json.loads((out / "costs.json").read_text())
-    allowed = [s for sites in DOCUMENTED_SITES.values() for s in sites]
+    hidden = stderr_syncs(done.stderr)
     ok = True
+    how = ("counted by HostSyncs (tensor reads and pageable copies, the CPU's view of a host "
+           "sync)" if TARGET.dry else "counted with torch.cuda.set_sync_debug_mode('warn') and "
+           "torch's stderr")
     check.lines.append(f"{WINDOWS} windows of {ACCUM} micro-batches per policy on one rank "
-                       f"({TARGET.backend}), after 2 set-up windows; host syncs counted with "
-                       "torch.cuda.set_sync_debug_mode('warn')"
-                       + (" (dry run: the CPU has no host syncs to count)" if TARGET.dry else ""))
+                       f"({TARGET.backend}), after {SETUP} set-up windows; host syncs {how}; "
+                       "each compared with the documented count and sites")
     check.lines += ["", "| policy | host syncs / window | documented | peak GPU MB | sites |",
                     "|---|---|---|---|---|"]
-    for label, _, documented in POLICIES:
-        c = costs[label]
-        sites = ", ".join(f"{s} x{n}" for s, n in sorted(c["sites"].items())) or "none"
-        unexpected = [s for s in c["sites"] if not any(a in s for a in allowed)]
-        ok = ok and not unexpected
-        peak = "n/a" if c["peak_mb"] is None else f"{c['peak_mb']:.1f}"
-        flag = f" (UNDOCUMENTED: {', '.join(unexpected)})" if unexpected else ""
-        check.lines.append(f"| {label} | {c['syncs'] / WINDOWS:.2f} | {documented} | {peak} | "
-                           f"{sites}{flag} |")
-    # a sync in a thread that is not in a Python call (the autograd engine's C++ code) is
-    # reported by torch on stderr instead of as a Python warning: counted here, all policies
-    hidden = done.stderr.count("synchronizing CUDA operation")
-    check.lines += ["", f"syncs reported on stderr (outside Python calls), all policies: {hidden}"]
-    check.lines += ["documented sites: " + "; ".join(
-        f"{what}: {', '.join(sites)}" for what, sites in DOCUMENTED_SITES.items())]
+    for c in POLICIES:
+        m = costs[c.label]
+        if m is None:
+            check.lines.append(f"| {c.label} | not run | {c.documented} | n/a | "
+                               "(CUDA only) |")
+            continue
+        if hidden[c.label]:
+            m["sites"][STDERR] = hidden[c.label]
+            m["syncs"] += hidden[c.label]
+        wrong = judge_costs(c, m, TARGET.dry)
+        ok = ok and not wrong
+        sites = ", ".join(f"{s} x{n}" for s, n in sorted(m["sites"].items())) or "none"
+        peak = "n/a" if m["peak_mb"] is None else f"{m['peak_mb']:.1f}"
+        flag = f" (WRONG: {'; '.join(wrong)})" if wrong else ""
+        check.lines.append(f"| {c.label} | {m['syncs'] / WINDOWS:.2f} | {c.documented} | "
+                           f"{peak} | {sites}{flag} |")
     check.status = "pass" if ok else "FAIL"
+
+
+# What the CPU counts as a host sync (HostSyncs): a tensor read on the host, a blocking copy to
+# the host from another device, a tensor built from host data for a device (a pageable copy: on
+# CUDA each waits for the stream, as torch.cuda.set_sync_debug_mode reports)
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "cpu")
+HOST_BUILDS = ("tensor", "as_tensor")
+# the counter's own frames and torch's: a site is the first frame outside them (but the torch
+# files that make syncs of their own, as the CUDA count names them)
+NOT_A_SITE = ("bench/gpu_check.py", "torch/overrides.py", "torch/_tensor.py", "torch/utils/")
+
+
+class HostSyncs:
+    """Counts, by source line, what would be a host sync on CUDA where set_sync_debug_mode
+    cannot (the CPU: a dry run, the tests): the tensor methods that read a tensor on the host
+    or copy it there (HOST_READS; ``to`` the CPU from another device, blocking) and the torch
+    functions that build a tensor from host data for an explicit device (HOST_BUILDS with
+    ``device=``). They are wrapped on torch.Tensor and torch while it counts (not a torch
+    function mode: a mode is off inside the autograd engine, where the backward hooks run, and
+    those make host reads too). A sync that torch's C++ makes by itself, or one made only on
+    CUDA (``torch.cuda.synchronize``), is not counted: CUDA's count can only be higher."""
+
+    def __init__(self) -> None:
+        self.sites: Counter[str] = Counter()
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    @staticmethod
+    def syncs(name: str, args: tuple, kwargs: dict) -> bool:
+        import torch
+
+        if name in HOST_BUILDS:
+            return kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor)
+        if name == "to":
+            target = kwargs.get("device", next((a for a in args[1:] if isinstance(
+                a, (str, torch.device))), None))
+            return (target is not None and not kwargs.get("non_blocking", False)
+                    and torch.device(target).type == "cpu" and args[0].device.type != "cpu")
+        return True
+
+    @staticmethod
+    def site() -> str:
+        frame = sys._getframe(2)
+        while frame.f_back is not None and any(
+                n in frame.f_code.co_filename.replace(os.sep, "/") for n in NOT_A_SITE):
+            frame = frame.f_back
+        where = "/".join(frame.f_code.co_filename.replace(os.sep, "/").split("/")[-3:])
+        return f"{where}:{frame.f_lineno}"
+
+    def _wrap(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        self.saved.append((owner, name, owner.__dict__.get(name)))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.syncs(name, args, kwargs):
+                self.sites[self.site()] += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> HostSyncs:
+        import torch
+
+        for name in (*HOST_READS, "to"):
+            self._wrap(torch.Tensor, name)
+        for name in HOST_BUILDS:
+            self._wrap(torch, name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, before in reversed(self.saved):
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.saved = []
 
 
 def measure_policies(path: Path) -> None:
     """Child process: each policy on a 1-rank group (nccl on cuda:0; gloo on the CPU in a dry
-    run), counting host syncs (measure_policy)."""
+    run), counting host syncs (measure_policy); None for one the target cannot run."""
     import torch
     import torch.distributed as dist
 
@@ -554,13 +706,19 @@ def measure_policies(path: Path) -> None:
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
-    results = {label: measure_policy(overrides, device) for label, overrides, _ in POLICIES}
+    results = {}
+    for c in POLICIES:
+        sys.stderr.flush()
+        os.write(2, f"{MARK}{c.label}\n".encode())
+        results[c.label] = (None if TARGET.dry and c.cpu is None
+                            else measure_policy(c.overrides, device))
+    sys.stderr.flush()
     dist.destroy_process_group()
     path.write_text(json.dumps(results))
 
 
 def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
-    """2 set-up windows, then WINDOWS windows as train() runs them between two log steps
+    """SETUP set-up windows, then WINDOWS windows as train() runs them between two log steps
     (run_window, optimizer_step, the policy's after_window), under set_sync_debug_mode("warn"):
     the host syncs, by source line, and the peak of allocated GPU memory."""
     import torch
@@ -572,14 +730,12 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     from gradsync.run.placement import Placement
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
+    from gradsync.train.lr_scaling import ScaledLR
     from gradsync.train.schedules import Shard, plan_epoch
 
     cuda = device.type == "cuda"
-    if not cuda and "precision=fp16" in overrides:  # the GradScaler: CUDA only
-        return {"syncs": 0, "sites": {}, "peak_mb": None}
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
-                         "data=synthetic", "data.num_samples=2048",
-                         f"schedule.accum_steps={ACCUM}", *overrides])
+                         "data=synthetic", "data.num_samples=2048", *with_accum(overrides)])
     validate(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
@@ -587,28 +743,37 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     batches = epoch_batches(p.loader, 0)
     p.policy.start(p.engine.module, 0)
 
-    def window(k: int) -> None:
+    def window(k: int) -> None:  # train()'s window, but its logging
         run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
-                   p.normalizer)
-        optimizer_step(p, want_norm=False)
+                   p.normalizer, p.noise)
+        if p.noise is not None:
+            p.noise.end_window(k + 1, plan[k], p.normalizer, p.precision, p.engine.parameters())
+        if isinstance(p.lr_scheduler, ScaledLR):
+            p.lr_scheduler.before_step(plan[k], p.noise)
+        stepped, _ = optimizer_step(p, want_norm=False)
+        if stepped:
+            p.schedule.after_step(k + 1, p.noise)
         p.policy.after_window(p.engine.module, k + 1)
 
-    for k in range(2):
+    for k in range(SETUP):
         window(k)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    with warnings.catch_warnings(record=True) as caught:
+    sites: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught, \
+            nullcontext() if cuda else HostSyncs() as counter:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            for k in range(2, 2 + WINDOWS):
+            for k in range(SETUP, SETUP + WINDOWS):
                 window(k)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    sites: Counter[str] = Counter()
+    if counter is not None:
+        sites = counter.sites
     for w in caught:
         if "synchroniz" in str(w.message):
             where = "/".join(str(w.filename).replace(os.sep, "/").split("/")[-3:])
@@ -617,7 +782,159 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
             "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
 
 
-# --- 6. LM tokens/s next to a hand-written loop ------------------------------------------------
+# --- 6. every engine and policy on 2 ranks ----------------------------------------------------
+# 2 ranks: nccl, each on its own GPU, where the machine has 2 or more; where it has one, both
+# ranks on cuda:0 through a default group made as "cuda:gloo" (like nccl it serves CUDA tensors
+# only; nccl refuses 2 ranks on one GPU); gloo on the CPU in a dry run. Every policy and feature
+# of the host-sync table (the engine rows: on every engine) on every engine, through the
+# worker's real run_training: 128 samples, micro-batches of 8, N = 2: 4 windows per rank;
+# PowerSGD compresses from step 2, local SGD / DiLoCo average every 2 steps, a checkpoint and a
+# log at every second step, the trace on.
+ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
+ENGINE_ARGS = {"hsdp": ["trainer.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
+MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
+               "data.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
+               "trainer.log_every=2",
+               "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
+MATRIX_EXTRA = [("trace_sync", ["trainer.trace_sync=true"]),
+                ("check_replicas", ["trainer.check_replicas=1"]),
+                ("local SGD (every 2), check_replicas",
+                 ["sync=local_sgd", "sync.every=2", "trainer.check_replicas=1"])]
+# the same policy on another engine: the same training, up to float rounding (relative)
+ENGINE_LOSS_RTOL = 1e-3
+
+
+def matrix_cases() -> list[tuple[str, str, list[str]]]:
+    """(engine, policy label, overrides): each policy or feature of POLICIES not tied to an
+    engine, and MATRIX_EXTRA, on each engine."""
+    rows = [(c.label, c.overrides) for c in POLICIES
+            if not any(o.startswith("trainer.engine=") for o in c.overrides)] + MATRIX_EXTRA
+    return [(e, label, ["trainer.engine=" + e, *ENGINE_ARGS.get(e, []), *overrides])
+            for e in ENGINES for label, overrides in rows]
+
+
+def matrix_placement(rank: int, gpus: int, dry: bool) -> tuple[str, Any]:
+    """(the default group's backend, the rank's Placement as the worker reads it): one of 2
+    torchrun ranks on its own GPU (cuda:LOCAL_RANK of 2) where there are 2 or more, else alone
+    on its node's one GPU (local rank 0 of 1: cuda:0, the two share it, on cuda:gloo); the CPU
+    on gloo in a dry run."""
+    from gradsync.run.placement import Placement
+
+    if dry:
+        return "gloo", Placement("gloo", 2, "torchrun", rank, rank, 2)
+    if gpus >= 2:
+        return "nccl", Placement("nccl", 2, "torchrun", rank, rank, 2)
+    return "cuda:gloo", Placement("nccl", 2, "torchrun", rank, 0, 1)
+
+
+def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str) -> None:
+    """One of the 2 ranks (torch.multiprocessing.spawn): every case of matrix_cases on the
+    default group; rank 0 writes {case: result} and each rank's device to `path`."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.components import ConfigError
+    from gradsync.config.validate import validate
+    from gradsync.run.main import compose_plain
+    from gradsync.run.placement import Placement
+    from gradsync.run.worker import run_training
+
+    TARGET.dry = dry
+    group, placement = matrix_placement(rank, gpus, dry)
+    backend = placement.backend
+    device = placement.device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    dist.init_process_group(group, store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    for engine, label, overrides in matrix_cases():
+        name = f"{engine} / {label}"
+        plain = compose_plain([f"trainer.backend={backend}", "trainer.devices=2",
+                               *(["trainer.threads_per_worker=1"] if dry else []),
+                               *MATRIX_BASE, *with_accum(overrides)])
+        try:
+            cfg = validate(plain, Placement(backend, 2))
+        except ConfigError as e:
+            results[name] = {"refused": str(e).splitlines()[0]}
+            continue
+        started = time.monotonic()
+        try:
+            s = run_training(cfg, Path(out) / engine / label.replace(" ", "_"), placement)
+        except Exception as e:  # the group may be stuck: the rest is not run
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            break
+        results[name] = {"status": s["status"], "loss": s["final_train_loss"],
+                         "steps": s["optimizer_steps"], "s": time.monotonic() - started}
+    devices = [None, None]
+    dist.all_gather_object(devices, str(device))
+    if rank == 0:
+        Path(path).write_text(json.dumps({"results": results, "devices": devices,
+                                          "group": group}))
+    dist.destroy_process_group()
+
+
+def measure_matrix(path: Path, out: Path) -> None:
+    """Child process: the 2 ranks of matrix_rank."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gpus = 0 if TARGET.dry else torch.cuda.device_count()
+    mp.spawn(matrix_rank, args=(port, str(path), TARGET.dry, gpus, str(out)), nprocs=2)
+
+
+def engine_matrix(check: Check, out: Path) -> None:
+    shutil.rmtree(out / "matrix", ignore_errors=True)
+    done = subprocess.run([sys.executable, __file__, "--matrix", str(out / "matrix.json"),
+                           *(["--dry-run"] if TARGET.dry else [])], capture_output=True,
+                          text=True, env=child_env(), cwd=REPO, timeout=600)
+    if done.returncode != 0 or not (out / "matrix.json").exists():
+        check.done(False, f"the 2-rank runs failed: {last_line(done.stderr)}")
+        check.lines += ["```", *done.stderr.strip().splitlines()[-20:], "```"]
+        return
+    got = json.loads((out / "matrix.json").read_text())
+    results, devices = got["results"], got["devices"]
+    shared = got["group"] == "cuda:gloo"
+    placed = devices == (["cuda:0", "cuda:0"] if shared else
+                         ["cpu", "cpu"] if TARGET.dry else ["cuda:0", "cuda:1"])
+    check.lines.append(f"2 ranks, default group {got['group']}, ranks on {devices}"
+                       + (" (one GPU: the two share it)" if shared else "")
+                       + ("" if placed else ": NOT the placement stated"))
+    check.lines += ["", "| engine / policy | result |", "|---|---|"]
+    ok = placed
+    for engine, label, _ in matrix_cases():
+        name = f"{engine} / {label}"
+        r = results.get(name)
+        if r is None:
+            ok, text = False, "not run (an earlier case failed)"
+        elif "refused" in r:
+            text = f"refused by the config check: {r['refused']}"
+        elif "error" in r:
+            ok, text = False, f"FAILED: {r['error']}"
+        else:
+            ref = results.get(f"{ENGINES[0]} / {label}", {}).get("loss", r["loss"])
+            same = abs(r["loss"] - ref) <= ENGINE_LOSS_RTOL * abs(ref)
+            good = r["status"] == "completed" and r["loss"] == r["loss"] and same
+            ok = ok and good
+            text = f"{r['status']}, {r['steps']} steps, loss {r['loss']:.6f} ({r['s']:.1f} s)"
+            if not good:
+                text += " FAILED" + ("" if same else f": {ENGINES[0]}'s loss is {ref:.6f}")
+        check.lines.append(f"| {name} | {text} |")
+    ran = sum("status" in r for r in results.values())
+    check.lines.insert(1, f"{ran} runs, {sum('refused' in r for r in results.values())} "
+                          "combinations refused by the config check")
+    check.status = "pass" if ok else "FAIL"
+
+
+# --- 7. LM tokens/s next to a hand-written loop ------------------------------------------------
 LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0"]
 LM_DRY = ["data.num_samples=128"]  # the CPU: a taste, not a measurement
 
@@ -773,6 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handwritten-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
     ap.add_argument("--gradsync-lm", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
     ap.add_argument("--policy-costs", type=Path, metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--matrix", type=Path, metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     TARGET.dry = args.dry_run
     for flag, fn in ((args.handwritten_lm, handwritten_lm), (args.gradsync_lm, gradsync_lm)):
@@ -781,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if args.policy_costs:
         measure_policies(args.policy_costs)
+        return 0
+    if args.matrix:
+        measure_matrix(args.matrix, args.matrix.with_suffix(""))
         return 0
     out: Path = args.out or OUT.with_name("gpu-check-dry" if TARGET.dry else "gpu-check")
     problem = None if TARGET.dry else cuda_problem()
@@ -814,6 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
              ("bf16 and fp16", lambda c: precisions(c, out)),
              ("kill -9 and resume, bitwise", lambda c: kill_and_resume(c, out)),
              ("host syncs and peak GPU memory per policy", lambda c: policy_costs(c, out)),
+             ("every engine and policy on 2 ranks", lambda c: engine_matrix(c, out)),
              ("LM tokens/s vs a hand-written loop",
               lambda c: lm_throughput(c, 1 if TARGET.dry else LM_EPOCHS))]
     started_all = time.monotonic()

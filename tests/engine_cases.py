@@ -15,6 +15,7 @@ from gradsync.engines import build_engine
 from gradsync.engines.trace import SyncTrace, merge
 from gradsync.sync.comm import CommCounts, InnerHook
 from gradsync.sync.policies import AlwaysSync, last_micro_batch
+from gradsync.train.memory import storage_bytes
 
 # Net's layers a, b, c: parameters of 120, 20, 100, 20, 60 and 12 bytes; rebuilt with a cap
 # of 50 bytes: [c.bias, c.weight], [b.bias, b.weight], [a.bias, a.weight].
@@ -197,3 +198,30 @@ def example_run(cfg: dict, run_dir: str, error: str = "") -> dict | str:
     if error:
         return dist_cases.train_run_expecting(cfg, run_dir, error)
     return dist_cases.train_run(cfg, run_dir)
+
+
+def gradient_memory(engine: str, view: bool) -> dict:
+    """Two windows of 2 micro-batches with gradient_as_bucket_view `view`: the gradient bytes
+    the engine reports, next to those measured: the parameters' gradients and the buckets'
+    buffers (torch's reducer's, or gradsync's own), each storage once."""
+    torch.manual_seed(0)
+    model = Net()
+    policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
+    eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
+                       world_size=2, counts=CommCounts(), allreduce="process_group",
+                       gradient_as_bucket_view=view)
+    opt = torch.optim.SGD(eng.parameters(), lr=0.01)
+    for _ in range(2):
+        for i in range(2):
+            with eng.micro_batch(policy.should_sync(i, 2)):
+                eng(torch.randn(4, 6)).square().sum().backward()
+        grads = [p.grad for p in model.parameters()]  # after the window, before zero_grad
+        opt.step()
+        eng.zero_grad(opt)
+    if engine == "torch_ddp":  # the reducer's buckets, as its comm hook sees them (their like)
+        buckets = [b.buffer() for b in eng.ddp.reducer._get_zeros_like_grad_buckets()]
+        measured = storage_bytes(grads) + (0 if view else sum(b.nbytes for b in buckets))
+    else:
+        measured = storage_bytes([*grads, *(b.buffer for b in eng.buckets)])
+    return {"reported": eng.memory.grads.unsharded_bytes, "measured": measured,
+            "params": sum(p.nbytes for p in model.parameters())}

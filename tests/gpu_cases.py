@@ -139,20 +139,25 @@ def policy_cfg(policy: str) -> dict:
     return cfg
 
 
+def shared_gpu_placement(backend: str, rank: int, world: int):
+    """Where the worker puts a rank of the shared-GPU cases: each rank as alone on its node
+    (local rank 0 of 1), so cuda:0 however many GPUs the machine has: the ranks really share one
+    GPU (as cuda:LOCAL_RANK, rank 1 would go to cuda:1 on a 2-GPU box)."""
+    from gradsync.run.placement import Placement
+
+    return Placement(backend, world, "torchrun", rank, 0, 1)
+
+
 def train_on_gpu(cfg: dict, run_dir: str) -> dict:
     """The worker's run_training on this rank's default group, on cuda:<current device>;
     rank 0 returns the final parameters and metrics rows too."""
     from gradsync.config.schema import RunConfig
-    from gradsync.run.placement import Placement
     from gradsync.run.worker import run_training
     from gradsync.train import checkpoint
 
-    # the CPU: to try the case itself on a gloo pool; on the GPU every rank shares cuda:0
-    # ("srun": a task that may see a GPU of its own, so one visible GPU serves every rank;
-    # torchrun's ranks share one view and are refused two to a GPU: devices.cuda_index)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    placement = Placement("nccl" if torch.cuda.is_available() else "gloo", world, "srun",
-                          rank, rank, world)
+    # the CPU: to try the case itself on a gloo pool
+    placement = shared_gpu_placement("nccl" if torch.cuda.is_available() else "gloo",
+                                     dist.get_rank(), dist.get_world_size())
     summary = run_training(RunConfig.from_plain(cfg), Path(run_dir), placement)
     out: dict = {"summary": summary}
     if dist.get_rank() == 0:

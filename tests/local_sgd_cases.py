@@ -70,3 +70,25 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
         out["rows"] = rows
         out["ckpt"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")
     return out
+
+
+def non_finite_on_one_rank(cfg: dict, run_dir: str, rank: int, step: int) -> dict:
+    """run_training with `rank`'s first parameter set to inf after optimizer step `step` (its
+    replica alone: between two averagings): the error each rank stops with, and when."""
+    import time
+
+    def poison(p):
+        def after(p, state, stepped):
+            if dist.get_rank() == rank and state.step == step:
+                with torch.no_grad():
+                    next(p.engine.module.parameters()).view(-1)[0] = float("inf")
+
+        p.after_window.insert(0, after)
+        return p
+
+    start = time.monotonic()
+    try:
+        dist_cases.run_training_with(poison, cfg, run_dir)
+    except FloatingPointError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

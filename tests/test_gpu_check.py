@@ -110,3 +110,78 @@ def test_the_report_lists_every_check_with_its_figures(tmp_path):
     env = gpu_check.child_env()
     assert env["PYTHONPATH"].split(":")[0] == str(REPO / "src")
     assert "RANK" not in env and not any(k.startswith("SLURM_") for k in env)
+
+
+# --- host syncs: counted on the CPU (HostSyncs), judged per policy --------------------------------
+def test_the_cpu_counter_sees_reads_pageable_copies_and_those_in_backward_hooks():
+    """HostSyncs counts what would wait for the GPU on CUDA, by source line, also inside the
+    autograd engine (where the backward hooks, and gradsync's engine, make their reads)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    hook = sys._getframe().f_lineno + 1
+    p.register_post_accumulate_grad_hook(lambda q: [q.grad.sum().item()] and None)
+    with gpu_check.HostSyncs() as counter:
+        x = torch.ones(4)
+        reads = sys._getframe().f_lineno + 1
+        x.sum().item(), x.tolist(), bool(x.all()), float(x.sum())
+        copy = sys._getframe().f_lineno + 1
+        torch.tensor([1.0, 2.0], device="cpu")  # host numbers for a device: a pageable copy
+        torch.tensor([1.0, 2.0]), x.to("cpu"), torch.zeros(2, device="cpu")  # none of those
+        (p * 2).sum().backward()
+    here = "/".join(Path(__file__).parts[-3:])  # a site: its last 3 path parts
+    assert counter.sites == {f"{here}:{reads}": 4, f"{here}:{copy}": 1, f"{here}:{hook}": 1}
+    assert torch.Tensor.item is torch._C.TensorBase.item  # unwrapped again
+
+
+@pytest.mark.parametrize("costs", [c for c in gpu_check.POLICIES if c.cpu is not None],
+                         ids=lambda c: c.label)
+def test_host_syncs_per_window_are_the_documented_ones(costs, single_process_group,
+                                                        monkeypatch):
+    """gpu-check's policy windows on a 1-rank gloo group, counted with HostSyncs: the documented
+    count and sites (docs/gpus-and-slurm.md). The noise scale's flush (AdaScale: every window;
+    the adaptive schedule: every `every` steps) reads once, its numbers sent without a pageable
+    copy (it was 9 per window: 5 pageable copies and 2 reads of 2 tensors); gradsync's
+    find_unused_parameters reads once per synchronising backward (it was 2)."""
+    monkeypatch.setattr(gpu_check.TARGET, "dry", True)
+    measured = gpu_check.measure_policy(costs.overrides, torch.device("cpu"))
+    assert gpu_check.judge_costs(costs, measured, dry=True) == [], measured
+    assert measured["syncs"] == costs.cpu * gpu_check.WINDOWS
+
+
+def test_host_sync_sites_and_counts_are_judged_per_policy():
+    """A site documented for another policy is not this one's (precision.py is fp16's, not local
+    SGD's); a count other than the documented one fails; stderr's syncs go to the policy whose
+    mark precedes them."""
+    local = next(c for c in gpu_check.POLICIES if c.label == "local SGD (every 2)")
+    fine = {"syncs": 4, "sites": {"gradsync/sync/averaging.py:124": 4}}
+    assert gpu_check.judge_costs(local, fine, dry=False) == []
+    stray = {"syncs": 12, "sites": {"gradsync/sync/averaging.py:124": 4,
+                                    "gradsync/train/precision.py:74": 8}}
+    assert gpu_check.judge_costs(local, stray, dry=False) == [
+        "undocumented site gradsync/train/precision.py:74", "12 in 8 windows, documented 4"]
+    unknown = next(c for c in gpu_check.POLICIES if c.cuda is None)
+    assert gpu_check.judge_costs(unknown, {"syncs": 3, "sites": {gpu_check.STDERR: 3}},
+                                 dry=False) == []
+    err = "\n".join([f"{gpu_check.MARK}always", "Warning: synchronizing CUDA operation x",
+                     f"{gpu_check.MARK}PowerSGD", "other",
+                     "Warning: synchronizing CUDA operation y",
+                     "Warning: synchronizing CUDA operation z"])
+    assert gpu_check.stderr_syncs(err) == {"always": 1, "PowerSGD": 2}
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_ranks_said_to_share_a_gpu_share_it_and_the_others_have_their_own(gpus, monkeypatch):
+    """Where the worker puts the 2 ranks (Placement.device, with `gpus` GPUs visible: faked, the
+    CPU has none): tests/gpu_cases.py's shared-GPU cases on cuda:0 for both ranks on any box
+    (rank 1 went to cuda:1 on a box of 2 or more); gpu-check's 2-rank step on cuda:0 and cuda:1
+    (nccl) where there are 2 or more, on cuda:0 for both (cuda:gloo) where there is one."""
+    import gpu_cases
+
+    monkeypatch.setattr("gradsync.run.placement.visible_gpus", lambda: gpus)
+    shared = [str(gpu_cases.shared_gpu_placement("nccl", r, 2).device()) for r in (0, 1)]
+    assert shared == ["cuda:0", "cuda:0"]
+    layout = [gpu_check.matrix_placement(r, gpus, dry=False) for r in (0, 1)]
+    devices = [str(placement.device()) for _, placement in layout]
+    if gpus == 1:
+        assert [g for g, _ in layout] == ["cuda:gloo"] * 2 and devices == ["cuda:0", "cuda:0"]
+    else:
+        assert [g for g, _ in layout] == ["nccl"] * 2 and devices == ["cuda:0", "cuda:1"]

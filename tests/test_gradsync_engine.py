@@ -84,6 +84,16 @@ def test_buffers_and_copied_gradients_as_torch_ddp(pool2):
     assert not torch.equal(rank1[False], rank1[True])
 
 
+@pytest.mark.parametrize("engine", ["torch_ddp", "gradsync"])
+def test_gradient_memory_counts_the_buckets_when_gradients_are_not_views(pool2, engine):
+    """gradient_as_bucket_view=false: the buckets are a second copy of the gradients (Net: 332
+    bytes of parameters), counted with them; true: the gradients are the buckets, once."""
+    for view, copies in ((True, 1), (False, 2)):
+        for r in pool2.run(engine_cases.gradient_memory, engine, view):
+            assert r["params"] == 332
+            assert r["reported"] == r["measured"] == copies * r["params"], (view, r)
+
+
 # --- whole runs through the worker's run_training ---------------------------------------------
 # 101 samples (prime), 2 ranks, micro 5: 51 positions per rank and epoch (rank 1's last is the
 # sampler's repeat), 11 micro-batches, the last one of a single position; accum 2 -> windows

@@ -138,6 +138,22 @@ PRIME = ["data=synthetic", "data.num_samples=13", "data.eval_samples=8", "data.i
 LR, MOMENTUM = 0.05, 0.9
 
 
+def test_a_non_finite_parameter_on_one_rank_stops_every_rank_at_once_with_one_line(pool2,
+                                                                                 tmp_path):
+    """Local SGD averages every 4 steps; rank 1's replica alone goes inf after step 3, a
+    checkpoint step: every rank stops there with the same line naming rank 1, promptly (before:
+    rank 1 raised, rank 0 waited in the checkpoint's gather for the group's 60 s timeout)."""
+    cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=4", "sync.warmup_steps=0",
+                     "trainer.checkpoint_every=3"])
+    out = pool2.run(local_sgd_cases.non_finite_on_one_rank, cfg, str(tmp_path), 1, 3,
+                    timeout=45)
+    line = ("non-finite parameters on rank 1 after optimizer step 3 (fp32); stopped, the last "
+            "good checkpoint stays in checkpoints/")
+    assert [r["error"] for r in out] == [line, line]
+    assert all(r["seconds"] < 30 for r in out), out  # the group's timeout: 60 s
+    assert not (tmp_path / "checkpoints" / "last.pt").exists()  # nothing diverged was saved
+
+
 def rank_windows(n: int, seed: int, epochs: int, world: int, window: int) -> list[list[list]]:
     """Per rank, every window's real sample indices, from torch's documented DistributedSampler
     layout: randperm(n) seeded with seed + epoch, padded with its head to a multiple of the

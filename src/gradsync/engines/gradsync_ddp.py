@@ -49,7 +49,7 @@ from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.trace import SyncTrace
-from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook
+from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
@@ -234,8 +234,11 @@ class GradsyncDDP:
                 yield
         finally:
             self.require_sync = previous
-        # every rank holds whole gradients (and the buckets' flat copies while they travel)
-        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
+        # every rank holds whole gradients (views into the buckets: each bucket once; else the
+        # gradients and the buckets, a second copy)
+        copies = [] if self.gradient_as_bucket_view else [b.buffer for b in self.buckets]
+        self.memory.record(storage_bytes([*(q.grad for q in self.module.parameters()),
+                                          *copies]), 0)
 
     # --- 4. backward: one parameter's gradient is ready ---------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -346,8 +349,10 @@ class GradsyncDDP:
 
     def _used_anywhere(self) -> list[int]:
         """Which parameters got a gradient on some rank since the last synchronisation (one
-        MAX all-reduce, after the buckets': every rank issues it in the same order)."""
-        flags = torch.tensor(list(self.used), dtype=torch.int32, device=self.params[0].device)
+        MAX all-reduce, after the buckets': every rank issues it in the same order; one host
+        read, the flags sent without one)."""
+        flags = to_device(torch.tensor(list(self.used), dtype=torch.int32),
+                          self.params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags.tolist()
 

@@ -48,6 +48,9 @@ class TorchDDP:
         # back as fresh tensors that DDP copies into the buckets at every syncing backward
         self.grads_to_none = (not ddp.gradient_as_bucket_view if grads_to_none is None
                               else grads_to_none)
+        # gradient_as_bucket_view off: the reducer's buckets are a second, flat copy of the
+        # gradients, allocated with it and kept (their total does not change when it rebuilds)
+        self.bucket_bytes = 0 if ddp.gradient_as_bucket_view else bucket_bytes(ddp)
 
     def __call__(self, *inputs: Any) -> Any:
         return self.ddp(*inputs)
@@ -59,8 +62,10 @@ class TorchDDP:
         with nullcontext() if sync else self.ddp.no_sync(), \
                 self.trace.micro_batch(sync) if self.trace else nullcontext():
             yield
-        # every rank holds whole gradients (views into DDP's buckets: each bucket once)
-        self.memory.record(storage_bytes(q.grad for q in self.module.parameters()), 0)
+        # every rank holds whole gradients (views into DDP's buckets: each bucket once; else
+        # the gradients and the buckets)
+        self.memory.record(storage_bytes(q.grad for q in self.module.parameters())
+                           + self.bucket_bytes, 0)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
@@ -81,6 +86,12 @@ class TorchDDP:
                 "bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20,
                 "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
                 "find_unused_parameters": self.ddp.find_unused_parameters}
+
+
+def bucket_bytes(ddp: DistributedDataParallel) -> int:
+    """Bytes of the reducer's bucket buffers (the shapes of its buckets, as the comm hook gets
+    them: ``_get_zeros_like_grad_buckets`` allocates their like once)."""
+    return sum(b.buffer().nbytes for b in ddp.reducer._get_zeros_like_grad_buckets())
 
 
 def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,

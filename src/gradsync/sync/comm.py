@@ -17,6 +17,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor of host numbers onto `device` without a host sync: from pinned memory,
+    non_blocking, on CUDA (a copy from pageable memory waits for the stream); itself on the
+    CPU."""
+    if device.type == "cpu":
+        return host
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
 # The collectives of a sharded engine (engines/fsdp.py), as counted by CommCounts.add_collective.
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 

@@ -41,6 +41,7 @@ from gradsync.run.devices import on_device
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
 from gradsync.train.lr_scaling import ScaledLR
+from gradsync.train.memory import local
 from gradsync.train.metrics import RunLog, peak_memory_mb
 from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import Normalizer
@@ -306,12 +307,25 @@ class StepLog:
 
 
 def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
-    """No checkpoint of a diverged model: the step's loss may still have been finite. The
-    parameters are the same on every rank, so every rank decides the same."""
-    finite = torch.stack([torch.isfinite(q).all() for q in model.parameters()]).all()
-    if not bool(finite):  # one read of the GPU, not one per parameter tensor
-        raise FloatingPointError(f"non-finite parameters after optimizer step {step} (fp32); "
-                                 "stopped, the last good checkpoint stays in checkpoints/")
+    """No checkpoint of a diverged model: the step's loss may still have been finite. Collective
+    where a process group is up: replicas that train apart (local SGD, DiLoCo, `every` groups)
+    differ between averagings, so one rank's parameters may go non-finite alone; every rank's
+    verdict goes into one all-reduce (a slot per rank: who diverged), so all ranks stop together
+    with the same line instead of the others waiting in the checkpoint's gather. A sharded
+    engine's rank checks its shards."""
+    finite = torch.stack([torch.isfinite(t).all() for q in model.parameters()
+                          if (t := local(q)) is not None]).all()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    bad = torch.zeros(world, dtype=torch.int32, device=finite.device)
+    bad[dist.get_rank() if world > 1 else 0] = ~finite
+    if world > 1:
+        dist.all_reduce(bad)
+    ranks = [r for r, b in enumerate(bad.tolist()) if b]  # one read of the GPU
+    if ranks:
+        where = f" on rank {', '.join(map(str, ranks))}" if world > 1 else ""
+        raise FloatingPointError(f"non-finite parameters{where} after optimizer step {step} "
+                                 "(fp32); stopped, the last good checkpoint stays in "
+                                 "checkpoints/")
 
 
 def _spent(p: Parts, state: Progress) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.nn.utils import get_total_norm
 
 from gradsync.components import ConfigError
-from gradsync.sync.comm import GradientProbe
+from gradsync.sync.comm import GradientProbe, to_device
 
 if TYPE_CHECKING:
     from gradsync.config.schema import RunConfig
@@ -140,9 +140,22 @@ def _sum_squares(norms: list[list[torch.Tensor]], device: torch.device) -> torch
     flat = [n for window in norms for n in window]
     out = torch.zeros(len(norms), dtype=torch.float64, device=device)
     if flat:
-        index = torch.tensor([i for i, window in enumerate(norms) for _ in window],
-                             device=device)
+        index = to_device(torch.tensor([i for i, window in enumerate(norms) for _ in window]),
+                          device)
         out.index_add_(0, index, torch.stack(flat).double().square())
+    return out
+
+
+def _columns(rows: list[list[Any]], device: torch.device) -> torch.Tensor:
+    """[row, column] float64 on `device` of numbers and 0-dim tensors: the numbers in one copy
+    from the host (no host sync: to_device), the tensors (on the device) written in place."""
+    host = torch.tensor([[0.0 if isinstance(v, torch.Tensor) else float(v) for v in row]
+                         for row in rows], dtype=torch.float64)
+    out = to_device(host, device)
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if isinstance(v, torch.Tensor):
+                out[i, j] = v
     return out
 
 
@@ -214,21 +227,15 @@ class NoiseScale:
         (the sum over every rank) / (W divisor), rescaled here to the sum, and after the flush
         by 1 / B^2."""
         recs, dev = self.pending, self.device
-
-        def column(values: list[Any]) -> torch.Tensor:
-            if any(isinstance(v, torch.Tensor) for v in values):
-                return torch.stack([torch.as_tensor(v, device=dev) for v in values]).double()
-            return torch.tensor(values, dtype=torch.float64, device=dev)
-
         small_sq = _sum_squares([r.small for r in recs], dev)
         big_sq = _sum_squares([r.big for r in recs], dev)
-        b = column([r.small_units for r in recs])
-        divisor = column([r.divisor for r in recs])
-        scale = column([1.0 if r.scale is None else r.scale for r in recs])
+        b, big_units, divisor, scale, measured = _columns(
+            [[r.small_units, r.big_units, r.divisor, 1.0 if r.scale is None else r.scale,
+              r.measured] for r in recs], dev).unbind(1)
         small = small_sq * (divisor / (scale * b)).square()
-        ok = (b > 0) & torch.isfinite(small) & column([r.measured for r in recs]).bool()
+        ok = (b > 0) & torch.isfinite(small) & measured.bool()
         rows = torch.stack([torch.where(ok, small, 0.0), torch.where(ok, 1 / b, 0.0),
-                            column([r.big_units for r in recs]), ok.double()], dim=1)
+                            big_units, ok.double()], dim=1)
         return rows, big_sq * (self.world_size * divisor / scale).square()
 
     def flush(self, carry: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -246,9 +253,11 @@ class NoiseScale:
         flat = rows.flatten() if carry is None else torch.cat([carry.flatten(), rows.flatten()])
         if self.world_size > 1:
             dist.all_reduce(flat)
-        sums = flat[n:].view(-1, ROW).tolist()
-        for rec, row, big in zip(self.pending, sums, bigs.tolist(), strict=True):
-            self.results[rec.window] = self._fold(row, big)
+        read = torch.cat([flat[n:], bigs]).tolist()  # the flush's one host read
+        k = len(self.pending)
+        sums, big_terms = read[:k * ROW], read[k * ROW:]
+        for i, (rec, big) in enumerate(zip(self.pending, big_terms, strict=True)):
+            self.results[rec.window] = self._fold(sums[i * ROW:(i + 1) * ROW], big)
         self.pending = []
         return None if carry is None else flat[:n].view_as(carry)
 
