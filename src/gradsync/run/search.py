@@ -21,11 +21,9 @@ sweep's runs do not produce) raises ConfigError before any trial starts: one lin
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
-import optuna
 from hydra.core.utils import JobReturn
 from hydra.types import HydraContext, TaskFunction
 from hydra_plugins.hydra_optuna_sweeper._impl import (
@@ -38,8 +36,9 @@ from gradsync.config.validate import ConfigError
 from gradsync.run import sweep
 from gradsync.train.metrics import final_metrics
 
-# The summary values a trial can optimise (train/metrics.final_metrics), and eval_<metric> for
-# any metric the data's evaluation reports (eval_accuracy, ...).
+optuna = sweep.import_optuna()
+
+# The summary values a trial can optimise (train/metrics.final_metrics).
 ALWAYS = ("eval_loss", "final_train_loss", "allreduce_bytes", "allreduce_calls",
           "sync_backwards", "samples_per_s", "train_s", "wall_s", "peak_rss_mb")
 # Produced only by some runs: the objective, what produces it, whether the sweep's config does.
@@ -54,7 +53,10 @@ ONLY_WHEN = {
                           lambda cfg: str(cfg.sync.get("_target_", "")).endswith(
                               (".LocalSGD", ".DiLoCo"))),
 }
-PER_RUN = ("comm_bytes_per_step", "grad_held_bytes", "peak_mem_mb")  # checked on each run
+# Produced by some runs, depending on the data (accuracy: a `correct` metric, perplexity: token
+# data) or the engine's memory measure: checked on each run (without it: a failed trial).
+PER_RUN = ("eval_accuracy", "eval_perplexity", "comm_bytes_per_step", "grad_held_bytes",
+           "peak_mem_mb")
 DIRECTIONS = ("minimize", "maximize")
 
 
@@ -78,9 +80,9 @@ def check_objectives(objective: Any, direction: Any, task_cfg: DictConfig) -> tu
             if not produced(task_cfg):
                 raise ConfigError(f"hydra.sweeper.objective={name}: the sweep's runs do not "
                                   f"produce it (only {what} does)")
-        elif name not in ALWAYS and name not in PER_RUN and not re.fullmatch(r"eval_\w+", name):
+        elif name not in ALWAYS and name not in PER_RUN:
             raise ConfigError(f"hydra.sweeper.objective={name}: not a value a run produces; one "
-                              f"of {', '.join(ALWAYS + tuple(ONLY_WHEN) + PER_RUN)}, eval_<metric>")
+                              f"of {', '.join(ALWAYS + tuple(ONLY_WHEN) + PER_RUN)}")
     bad = [d for d in directions if d not in DIRECTIONS]
     if bad:
         raise ConfigError(f"hydra.sweeper.direction={bad[0]}: minimize or maximize (or a list, "

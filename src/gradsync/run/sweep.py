@@ -32,6 +32,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,14 +150,22 @@ class Study:
     best: list[int]  # job numbers: the best trial, or the Pareto front of several objectives
 
 
+def import_optuna() -> Any:
+    """optuna (a search's), without SQLAlchemy's warning that optuna 2's storage uses APIs that
+    SQLAlchemy 2 dropped (requirements.lock pins SQLAlchemy 1.4), and without its INFO lines."""
+    os.environ.setdefault("SQLALCHEMY_SILENCE_UBER_WARNING", "1")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
 def load_study(sweep_dir: Path) -> Study | None:
     """The study of a search's sweep dir, read with Optuna's own API (None for a grid)."""
     info = read_study(sweep_dir)
     if not info:
         return None
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna = import_optuna()
     study = optuna.load_study(study_name=info["study_name"], storage=info["storage"])
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
     trials = {int(job): by_number[int(n)] for n, job in info["jobs"].items()

@@ -13,6 +13,9 @@ from omegaconf import DictConfig
 
 class OptunaSearch(Sweeper):
     def __init__(self, **settings: Any) -> None:
+        from gradsync.run.sweep import import_optuna
+
+        import_optuna()  # before the plugin's module imports it
         from gradsync.run.search import OptunaSearch as Search
 
         self.search = Search(**settings)
