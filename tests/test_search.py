@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_jobs import Job
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from cli_jobs import Job
 from gradsync.config.validate import ConfigError
 from gradsync.run import sweep
 from gradsync.run.main import CONF_DIR

@@ -75,4 +75,5 @@ def _sweep_job(config: DictConfig) -> tuple[Path, int, Path, list[str]] | None:
 
 def _is_search(config: DictConfig) -> bool:
     """A search (run/search.py) may continue its study: its jobs' records stay."""
-    return str(config.hydra.sweeper.get("_target_", "")) == "hydra_plugins.gradsync_search.OptunaSearch"
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    return target == "hydra_plugins.gradsync_search.OptunaSearch"

@@ -162,13 +162,15 @@ class OptunaSearch:
             first = batch[0].number  # job number = trial number: new jobs get new dirs
             job_of |= {t.number: t.number for t in batch}
             sweep.write_study(sweep_dir, {**info, "jobs": job_of})
+            assert impl.launcher is not None  # setup made it
             returns = impl.launcher.launch(overrides, initial_job_idx=first)
             for trial, ret in zip(batch, returns, strict=True):
                 self._tell(study, trial, ret)
             to_go -= len(batch)
         sweep.write_study(sweep_dir, {**info, "jobs": job_of})
 
-    def _tell(self, study: optuna.Study, trial: optuna.trial.Trial, ret: JobReturn) -> None:
+    def _tell(self, study: Any, trial: Any, ret: JobReturn) -> None:
+        """study, trial: optuna's Study and Trial."""
         # what the job returned (its summary), or the exception it raised
         values, why = objective_values(ret._return_value, self.names)
         if values is None:
