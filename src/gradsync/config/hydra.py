@@ -46,6 +46,27 @@ def register_configs() -> None:
     for group, options in SCHEMA_GROUPS.items():
         for option, cls in options.items():
             cs.store(group=f"schema/{group}", name=option, node=cls)
+    # hydra/sweeper=optuna: gradsync's search (run/search.py) in place of the plugin's own, its
+    # settings and an objective; stored after Hydra's plugin scan, which runs each plugin's
+    # module (storing its nodes) once per process
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+
+    Plugins.instance()
+
+    @dataclass
+    class SearchConf(OptunaSweeperConf):
+        _target_: str = "hydra_plugins.gradsync_search.OptunaSearch"
+        # the sweep summary's value(s) to optimise: eval_loss, or [eval_loss,allreduce_bytes]
+        objective: Any = "eval_loss"
+        direction: Any = "minimize"  # minimize | maximize, or a list: one per objective
+        # a shared database holds several sweeps' studies (distinct study_name)
+        storage: Any = "sqlite:///${hydra.sweep.dir}/study.db"
+        study_name: str | None = "gradsync"  # stable: the same command continues the study
+        n_trials: int = 20  # in the study, counting those an earlier start of this sweep ran
+        n_jobs: int = 1  # trials asked at once (hydra/launcher=joblib runs them in parallel)
+
+    cs.store(group="hydra/sweeper", name="optuna", node=SearchConf, provider="gradsync")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -32,7 +32,7 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:  # before anything runs: the sweep dir is this sweep's (sweep.claim)
-            sweep.claim(Path(config.hydra.sweep.dir))
+            sweep.claim(Path(config.hydra.sweep.dir), keep_jobs=_is_search(config))
         except RunDirBusy as e:
             print(f"gradsync: sweep dir in use: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
@@ -71,3 +71,9 @@ def _sweep_job(config: DictConfig) -> tuple[Path, int, Path, list[str]] | None:
         return None
     return (Path(hc.sweep.dir), int(hc.job.num), Path(hc.runtime.output_dir),
             list(OmegaConf.to_container(hc.overrides.task)))  # type: ignore[arg-type]
+
+
+def _is_search(config: DictConfig) -> bool:
+    """A search (run/search.py) may continue its study: its jobs' records stay."""
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    return target == "hydra_plugins.gradsync_search.OptunaSearch"

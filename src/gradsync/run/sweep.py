@@ -32,6 +32,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,14 +107,82 @@ LOST = ("lost: the job started but never reported an outcome (its process was ki
 _held: dict[Path, int] = {}  # sweep dir -> this process's lock on it
 
 
-def claim(sweep_dir: Path) -> None:
+def claim(sweep_dir: Path, keep_jobs: bool = False) -> None:
     """Before a sweep runs anything: lock its sweep dir (RunDirBusy when another sweep holds
-    it) and forget the job records of an earlier sweep there. Held until `release`, or the
-    end of this process."""
+    it) and forget the job records of an earlier sweep there, unless keep_jobs (a search
+    that may continue its study: run/search.py forgets them for a new one). Held until
+    `release`, or the end of this process."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _held[sweep_dir] = take(sweep_dir / SWEEP_LOCK, "sweep", "hydra.sweep.dir")
+    if not keep_jobs:
+        forget_jobs(sweep_dir)
+
+
+def forget_jobs(sweep_dir: Path) -> None:
     for old in (sweep_dir / JOBS).glob("*.json"):
         old.unlink()
+    (sweep_dir / STUDY).unlink(missing_ok=True)
+
+
+# A search's study (run/search.py): storage, study_name, objectives, directions, and
+# jobs: {trial number: job number}.
+STUDY = "optuna.json"
+
+
+def write_study(sweep_dir: Path, info: dict[str, Any]) -> None:
+    write_json_atomic(sweep_dir / STUDY, info)
+
+
+def read_study(sweep_dir: Path) -> dict[str, Any]:
+    path = sweep_dir / STUDY
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@dataclass
+class Study:
+    """A search's study as the summary shows it: its settings and, per job, its trial."""
+
+    name: str
+    storage: str
+    objectives: list[str]
+    directions: list[str]
+    trials: dict[int, Any]  # job number -> optuna FrozenTrial
+    best: list[int]  # job numbers: the best trial, or the Pareto front of several objectives
+
+
+def import_optuna() -> Any:
+    """optuna (a search's), without SQLAlchemy's warning that optuna 2's storage uses APIs that
+    SQLAlchemy 2 dropped (requirements.lock pins SQLAlchemy 1.4), and without its INFO lines."""
+    os.environ.setdefault("SQLALCHEMY_SILENCE_UBER_WARNING", "1")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def load_study(sweep_dir: Path) -> Study | None:
+    """The study of a search's sweep dir, read with Optuna's own API (None for a grid)."""
+    info = read_study(sweep_dir)
+    if not info:
+        return None
+    optuna = import_optuna()
+    study = optuna.load_study(study_name=info["study_name"], storage=info["storage"])
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    trials = {int(job): by_number[int(n)] for n, job in info["jobs"].items()
+              if int(n) in by_number}
+    done = {job: t for job, t in trials.items() if t.state.name == "COMPLETE"}
+    signs = [1 if d == "minimize" else -1 for d in info["directions"]]
+
+    def dominated(a: Any) -> bool:
+        return any(all(s * x <= s * y for s, x, y in zip(signs, b.values, a.values, strict=True))
+                   and b.values != a.values for b in done.values())
+
+    if len(signs) == 1:
+        best = [min(done, key=lambda j: signs[0] * done[j].values[0])] if done else []
+    else:
+        best = sorted(j for j, t in done.items() if not dominated(t))
+    return Study(info["study_name"], info["storage"], info["objectives"], info["directions"],
+                 trials, best)
 
 
 def release(sweep_dir: Path) -> None:
@@ -228,10 +297,12 @@ def to_target(points: list[Point], target: float) -> dict[str, float] | None:
 TARGET_COLUMNS = tuple(f"{axis}_to_target" for axis in AXES)
 
 
-def table(jobs: list[Job],
-          target: float | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+def table(jobs: list[Job], target: float | None = None,
+          study: Study | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """One row per job: its overrides, swept values, status, final numbers (raw values) and,
-    given a target eval loss, where the job reached it (empty cells where it never did)."""
+    given a target eval loss, where the job reached it (empty cells where it never did); for a
+    search, each job's trial and its state (a completed run whose objective Optuna could not
+    use is a failed row)."""
     keys = swept_keys(jobs)
     rows = []
     for job in jobs:
@@ -240,7 +311,14 @@ def table(jobs: list[Job],
                                "overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items())}
         row |= {k: job.overrides.get(k, "") for k in keys}
         row["status"] = s.get("status", "failed")
-        if job.completed:
+        trial = study.trials.get(job.num) if study else None
+        if study:
+            row |= {"trial": "" if trial is None else trial.number,
+                    "trial_state": "" if trial is None else trial.state.name}
+        if trial is not None and trial.state.name == "FAIL" and job.completed:
+            s = {**s, "error": trial.user_attrs.get("gradsync_error", "the trial failed")}
+            row["status"] = "failed"
+        if job.completed:  # (a failed trial's numbers too: they say why)
             row |= {k: s[k] for k in ("world_size", "micro_batch_size", "accum_steps")}
             row |= {"global_batch": _global_batch(s), "optimizer_steps": s["optimizer_steps"]}
             row |= final_metrics(s)
@@ -260,6 +338,8 @@ def table(jobs: list[Job],
 
 # Markdown headers and formats; columns not listed here (the swept keys) show as they are.
 MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "trial": ("trial", str),  # a search's (run/search.py)
+    "trial_state": ("trial state", str),
     "world_size": ("ranks", str),
     "micro_batch_size": ("micro", str),
     "accum_steps": ("N", str),
@@ -337,9 +417,31 @@ def _against_first(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _study_lines(study: Study, rows: list[dict[str, Any]]) -> list[str]:
+    """A search's study, and its best trial (the Pareto front of several objectives)."""
+    states = [r["trial_state"] for r in rows if r["trial_state"]]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states))
+    lines = [f"Optuna study {study.name} ({study.storage}): "
+             + ", ".join(f"{o} ({d})" for o, d in zip(study.objectives, study.directions,
+                                                      strict=True))
+             + f"; {len(states)} trials: {counts or 'none'}."]
+    by_job = {r["job"]: r for r in rows}
+    for job in study.best:
+        trial = study.trials[job]
+        params = " ".join(f"{k}={v}" for k, v in trial.params.items())
+        values = ", ".join(f"{o} {v:.6g}" for o, v in zip(study.objectives, trial.values,
+                                                          strict=True))
+        what = "Best trial" if len(study.objectives) == 1 else "On the Pareto front: trial"
+        lines.append(f"{what} {trial.number} (job {job}, {by_job[job]['dir']}): {params}: "
+                     f"{values}.")
+    if not study.best:
+        lines.append("No trial completed: no best trial.")
+    return lines
+
+
 def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
              rows: list[dict[str, Any]], target: float | None = None,
-             target_given: bool = False) -> str:
+             target_given: bool = False, study: Study | None = None) -> str:
     """The table a person reads: the swept values, what differs, and the final numbers."""
     failed = sum(r["status"] != "completed" for r in rows)
     done = [r for r in rows if r["status"] == "completed"]
@@ -360,6 +462,8 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
         lines.append(f"Target eval loss {target:.6g} ({how}): the to-target columns are where "
                      "each job's eval loss first reached it (interpolated between evaluations; "
                      "empty: never).")
+    if study is not None:
+        lines += _study_lines(study, rows)
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         cells = [_cell(c, row.get(c, "")).replace("|", "\\|") for c in shown]
@@ -518,13 +622,14 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepRes
     """sweep_summary.csv, sweep_summary.md and sweep.png from the job dirs in sweep_dir;
     target_loss None: the worst final eval loss among the completed jobs."""
     jobs = read_jobs(sweep_dir)
+    study = load_study(sweep_dir)
     target = default_target(jobs) if target_loss is None else target_loss
-    columns, rows = table(jobs, target)
+    columns, rows = table(jobs, target, study)
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
-    text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None)
+    text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None, study)
     (sweep_dir / "sweep_summary.md").write_text(text)
     plot(jobs, sweep_dir / "sweep.png", target)
     plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
