@@ -97,9 +97,11 @@ def job_config(cfg: dict, run_dir: Path) -> RunConfig:
     return run
 
 
-def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] | None]:
+def run_training_with(wrap, cfg: dict, run_dir: str,
+                      job: RunConfig | None = None) -> tuple[dict, list[dict] | None]:
     """The worker's real run_training, the parts it builds first passed through wrap(parts) (to
-    record or poison something); returns the summary and rank 0's rows of metrics.jsonl."""
+    record or poison something); returns the summary and rank 0's rows of metrics.jsonl.
+    job: the RunConfig the job handed over (default: job_config(cfg, run_dir))."""
     import json
 
     from gradsync.run import worker
@@ -107,7 +109,7 @@ def run_training_with(wrap, cfg: dict, run_dir: str) -> tuple[dict, list[dict] |
     build = worker.build_parts
     worker.build_parts = lambda *args, **kw: wrap(build(*args, **kw))
     try:
-        summary = worker.run_training(job_config(cfg, Path(run_dir)), Path(run_dir))
+        summary = worker.run_training(job or job_config(cfg, Path(run_dir)), Path(run_dir))
     finally:
         worker.build_parts = build
     rows = None

@@ -106,8 +106,11 @@ def resume_planted(cfg: dict, run_dir: str, ckpt: str, kind: str, target: str) -
             plant(Path(ckpt), kind, target)
         return p  # the others wait for rank 0 in the resume's broadcast
 
+    cfg = cfg | {"resume": ckpt}
+    job = dist_cases.job_config(cfg, Path(run_dir))  # the job's check, on every rank here
+    dist.barrier()  # before rank 0 plants: no rank checks the payload as the job would
     try:
-        dist_cases.run_training_with(poison, cfg | {"resume": ckpt}, run_dir)
+        dist_cases.run_training_with(poison, cfg, run_dir, job)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "resumed"
