@@ -52,7 +52,11 @@ def register_configs() -> None:
     from hydra.core.plugins import Plugins
     from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
 
-    Plugins.instance()
+    from hydra_plugins.gradsync_search import OptunaSearch
+
+    # registered by hand too: Hydra's scan of the hydra_plugins namespace (pkgutil) does not
+    # list a package that an editable install (`make install`, pip install -e) maps there
+    Plugins.instance().register(OptunaSearch)
 
     @dataclass
     class SearchConf(OptunaSweeperConf):
