@@ -50,8 +50,11 @@ def register_configs() -> None:
     # settings and an objective; stored after Hydra's plugin scan, which runs each plugin's
     # module (storing its nodes) once per process
     from hydra.core.plugins import Plugins
-    from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
 
+    try:
+        from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+    except ImportError:  # a Python without the search's packages (gpu-check's): no search
+        return
     from hydra_plugins.gradsync_search import OptunaSearch
 
     # registered by hand too: Hydra's scan of the hydra_plugins namespace (pkgutil) does not
