@@ -64,8 +64,11 @@ def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any]
     keys = (f"; accepted keys: {', '.join(accepted)}" if accepted else ", which takes no keys")
     if "." not in name and name in runtime:
         return f"{key}: set by gradsync at run time, not in the config{keys}"
+    override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
     if "." not in name and (name in accepted or takes_any_keyword(target)):
-        override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
         return (f"{key}: not in the config of {node['_target_']}, which takes it: add it with "
+                f"+{override.lstrip('+~')}")
+    if name.split(".")[0] in accepted:  # a key inside a mapping argument (model.config.x)
+        return (f"{key}: not in {group}.{name.split('.')[0]} of the config: add it with "
                 f"+{override.lstrip('+~')}")
     return f"{key}: unknown key for {node['_target_']}{keys}"
