@@ -247,3 +247,15 @@ def test_the_installed_package_runs_the_default_experiment_from_any_directory(tm
     assert (s["status"], s["optimizer_steps"], s["world_size"]) == ("completed", 3, 2)
     assert s["samples_seen"] == 3 * 2 * 4 * 16
     assert not os.path.exists(where / "conf")
+    # the Hugging Face example project, from its own directory, on the installed package
+    project = tmp_path / "hf_causal_lm"
+    shutil.copytree(REPO / "examples" / "hf_causal_lm", project)
+    done = cli(["--config-dir", "conf", "experiment=tiny_llama", "trainer.max_steps=2",
+                "trainer.progress_bar=false", "trainer.threads_per_worker=1",
+                "hydra.run.dir=out/run"], project, env, exe=str(venv / "bin" / "gradsync-train"))
+    assert done.returncode == 0, done.stderr
+    s = json.loads((project / "out" / "run" / "summary.json").read_text())
+    assert (s["status"], s["optimizer_steps"], s["world_size"]) == ("completed", 2, 2)
+    model = checkpoint.load(project / "out" / "run" / "checkpoints" / "last.pt")["model"]
+    assert model["model.lm_head.weight"].shape == (256, 64)  # the Llama: 4 layers of width 64
+    assert sum(k.endswith("self_attn.q_proj.weight") for k in model) == 4

@@ -124,6 +124,16 @@ def test_the_example_project_trains_a_tiny_llama_from_its_own_directory(tmp_path
     assert model[EMBED].shape == (256, 64) and torch.equal(model[EMBED], model[HEAD])
 
 
+@pytest.mark.slow
+def test_a_key_not_yet_in_a_mapping_argument_is_named_with_the_fix(tmp_path, cli_env):
+    typo = cli(["model=hf_llama", "data=synthetic_lm", "model.config.hiden_size=8",
+                "hydra.run.dir=run"], tmp_path, cli_env)
+    assert typo.returncode == 2 and typo.stderr.splitlines() == [
+        "gradsync: config error: model.config.hiden_size: not in model.config of the config: "
+        "add it with +model.config.hiden_size=8"], typo.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_hugging_face_config_is_checked_before_anything_runs():
     from gradsync.config.validate import ConfigError, validate
 
