@@ -46,3 +46,11 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
         one = state._fsdp_param_group
         groups = [] if one is None else [one]
     return list(groups)
+
+
+def fsdp_reduces_unused() -> bool:
+    """Whether FSDP2 can reduce-scatter zeros for parameters without gradient
+    (``set_reduce_scatter_unused_params``: trainer.find_unused_parameters on a sharded engine)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")

@@ -184,10 +184,8 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
 
     tr = cfg.trainer
     if tr.engine in SHARDED_ENGINES:
-        for key in ("trace_sync", "find_unused_parameters"):
-            require(not getattr(tr, key), f"trainer.{key}",
-                    f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
-                    "gradsync)", getattr(tr, key))
+        require(not tr.trace_sync, "trainer.trace_sync", f"false with trainer.engine="
+                f"{tr.engine} (the DDP engines only: torch_ddp, gradsync)", tr.trace_sync)
     check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
                  policy=lambda: policy, model=lambda: model)
 

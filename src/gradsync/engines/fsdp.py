@@ -48,9 +48,10 @@ from torch import nn
 from gradsync.components import ConfigError, require
 from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, ShardedSync
 from gradsync.sync.policy import SyncPolicy
-from gradsync.torch_compat import fsdp_param_groups
+from gradsync.torch_compat import fsdp_param_groups, fsdp_reduces_unused
 from gradsync.train.memory import MemoryMeter, local, storage_bytes
 
 log = logging.getLogger("gradsync.engines.fsdp")  # a child of the ranks' log (run/worker.py)
@@ -175,6 +176,10 @@ def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision
     if trainer.allreduce == "shared_memory":
         raise ConfigError(f"trainer.allreduce=shared_memory with {where}: FSDP reduce-scatters "
                           "through the process group; use auto or process_group")
+    if trainer.find_unused_parameters and not fsdp_reduces_unused():
+        raise ConfigError(f"trainer.find_unused_parameters with {where}: this torch's FSDP2 has "
+                          "no set_reduce_scatter_unused_params (torch >= 2.13); use "
+                          "trainer.engine=torch_ddp or gradsync")
     if engine == "fsdp":
         if trainer.replicas != 0:
             raise ConfigError("trainer.replicas is the replicate dimension of trainer.engine="
@@ -341,6 +346,33 @@ def _count_all_reduce(counts: CommCounts, group: str) -> Callable[[torch.Tensor]
     return hook
 
 
+def _refuse_unused(group: Any) -> None:
+    """Without find_unused_parameters: before a unit's reduce-scatter (its post_backward), the
+    parameters this synchronising backward gave no gradient raise UnusedParameters. FSDP2 would
+    reduce-scatter only the gradients it has; ranks that miss different parameters then send
+    tensors of different sizes, and gloo aborts the process (SIGABRT: "Received data size
+    doesn't match expected size")."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    post_backward = group.post_backward
+
+    def checked(*args: Any) -> Any:
+        # once per backward (FSDP may call an unsharded group's post_backward again from its
+        # final callback, its gradients then handed over)
+        if group.reduce_grads and group._training_state != TrainingState.POST_BACKWARD:
+            missing = [fp._param_fqn for fp in group.fsdp_params
+                       if (whole := getattr(fp, "_unsharded_param", None)) is not None
+                       and whole.requires_grad and whole.grad is None
+                       and fp.unsharded_accumulated_grad is None]
+            if missing:
+                raise unused_error(missing, "FSDP would leave them out of the unit's "
+                                   "reduce-scatter, whose size then differs from a rank that "
+                                   "used them (gloo aborts)")
+        return post_backward(*args)
+
+    group.post_backward = checked
+
+
 def _hosts() -> int:
     """The number of hosts the ranks run on (trainer.replicas=0: one replica per host)."""
     names: list[Any] = [None] * dist.get_world_size()
@@ -350,7 +382,7 @@ def _hosts() -> int:
 
 def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device,
            world_size: int, counts: CommCounts, memory: MemoryMeter | None, precision: str,
-           fsdp_units: str, replicas: int) -> FSDPEngine:
+           fsdp_units: str, replicas: int, find_unused: bool = False) -> FSDPEngine:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -388,6 +420,11 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         module.set_custom_all_gather(all_gather(counts, u.sync.group))
         if name == "hsdp" and replicate > 1:
             module.set_all_reduce_hook(_count_all_reduce(counts, u.sync.group))
+        if find_unused:  # zeros for a parameter without gradient: every rank sends every one
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+        else:
+            for group in fsdp_param_groups(module):
+                _refuse_unused(group)
         units.append(Unit(u, module, reduce_dtype))
     return FSDPEngine(name, model, units, {"replicate": replicate,
                                            "shard": world_size // replicate}, counts, memory,
@@ -396,16 +433,17 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
 
 def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
-               fsdp_units: str = AUTO_UNITS) -> FSDPEngine:
+               fsdp_units: str = AUTO_UNITS, find_unused_parameters: bool = False) -> FSDPEngine:
     """FSDP over every rank (a 1-D mesh)."""
     return _build("fsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, 1)
+                  fsdp_units, 1, find_unused_parameters)
 
 
 def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
-               fsdp_units: str = AUTO_UNITS, replicas: int = 0) -> FSDPEngine:
+               fsdp_units: str = AUTO_UNITS, replicas: int = 0,
+               find_unused_parameters: bool = False) -> FSDPEngine:
     """HSDP: shard inside world / replicas ranks, replicate across `replicas` (0: one per
     host) such groups (a 2-D mesh)."""
     return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, replicas)
+                  fsdp_units, replicas, find_unused_parameters)

@@ -49,6 +49,7 @@ from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.train.memory import MemoryMeter, storage_bytes
@@ -334,13 +335,7 @@ class GradsyncDDP:
                     self.trace.skipped(b.index, b.params, "never launched: no gradient for "
                                        + ", ".join(self.names[i] for i in missing
                                                    if self.slot[i][0] is b))
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: {len(names)} parameter(s) got no gradient in this "
-                f"synchronising backward: {', '.join(names[:8])}"
-                f"{' ...' if len(names) > 8 else ''}; the forward did not use them, so "
-                "their buckets would never be all-reduced. Set "
-                "trainer.find_unused_parameters=true, or leave them out of the model "
-                "(docs/debugging.md)")
+            raise unused_error(names, "their buckets would never be all-reduced")
         for i in missing:
             bucket, pos = self.slot[i]
             self._into_bucket(bucket, pos, self.params[i])

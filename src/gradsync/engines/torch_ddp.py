@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
@@ -35,7 +36,8 @@ class TorchDDP:
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,
-                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
+                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None,
+                 witness: GradientWitness | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
         self.counts = counts if counts is not None else CommCounts()
@@ -51,6 +53,9 @@ class TorchDDP:
         # gradient_as_bucket_view off: the reducer's buckets are a second, flat copy of the
         # gradients, allocated with it and kept (their total does not change when it rebuilds)
         self.bucket_bytes = 0 if ddp.gradient_as_bucket_view else bucket_bytes(ddp)
+        # without find_unused_parameters: which parameters the synchronising backward reached
+        # (DDP itself would only fail at the next forward, naming none: engines/unused.py)
+        self.witness = witness
 
     def __call__(self, *inputs: Any) -> Any:
         return self.ddp(*inputs)
@@ -59,9 +64,16 @@ class TorchDDP:
     def micro_batch(self, sync: bool) -> Iterator[None]:
         # DDP decides in the forward whether the next backward reduces: the forward must run in
         # this context too, or DDP syncs anyway
+        witness = self.witness if sync else None
+        if witness:
+            witness.start()
         with nullcontext() if sync else self.ddp.no_sync(), \
                 self.trace.micro_batch(sync) if self.trace else nullcontext():
             yield
+        missing = witness.missing() if witness else None
+        if missing:  # before the optimizer steps on gradients whose buckets never went out
+            raise unused_error(missing, "their buckets were never all-reduced (torch's DDP "
+                               "would stop at the next forward)")
         # every rank holds whole gradients (views into DDP's buckets: each bucket once; else
         # the gradients and the buckets)
         self.memory.record(storage_bytes(q.grad for q in self.module.parameters())
@@ -122,6 +134,8 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
                                         trace, probe)
     ddp.register_comm_hook(state, counting_hook)
+    witness = None if find_unused_parameters else GradientWitness(
+        (n, q) for n, q in model.named_parameters() if n not in ignored)
     return TorchDDP(ddp, counts, transport,
                     grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
-                    trace=trace, memory=memory)
+                    trace=trace, memory=memory, witness=witness)
