@@ -47,6 +47,7 @@ from torch import nn
 
 from gradsync.components import ConfigError, require
 from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, ShardedSync
@@ -298,6 +299,11 @@ class FSDPEngine:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def align_buffers(self) -> None:
+        """FSDP2 shards parameters only: the buffers are whole on every rank and never synced
+        (each rank's BatchNorm statistics follow its own batches); rank 0's, as DCP saves."""
+        broadcast_from_rank0(list(self.module.buffers()))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)

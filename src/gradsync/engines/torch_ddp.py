@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.buffers import broadcast_from_rank0, to_sync_batchnorm
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
@@ -37,9 +38,14 @@ class TorchDDP:
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None,
-                 witness: GradientWitness | None = None):
+                 witness: GradientWitness | None = None,
+                 buffers: list[torch.Tensor] | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
+        # the buffers DDP syncs from rank 0 (align_buffers); default: all it does not ignore
+        ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.buffers = buffers if buffers is not None else [
+            b for n, b in ddp.module.named_buffers() if n not in ignored]
         self.counts = counts if counts is not None else CommCounts()
         self.memory = memory if memory is not None else MemoryMeter(
             next(ddp.module.parameters()).device)
@@ -82,6 +88,9 @@ class TorchDDP:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
 
+    def align_buffers(self) -> None:
+        broadcast_from_rank0(self.buffers)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self.trace:
@@ -112,11 +121,14 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     find_unused_parameters: bool = False,
                     trace: SyncTrace | None = None,
                     memory: MemoryMeter | None = None,
-                    probe: GradientProbe | None = None) -> TorchDDP:
+                    probe: GradientProbe | None = None,
+                    sync_batchnorm: bool = False) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
+    if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
+        model = to_sync_batchnorm(model)
     if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
         raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
                            "(sync_bucket): torch's DDP synchronises all buckets or none")
@@ -136,6 +148,8 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     ddp.register_comm_hook(state, counting_hook)
     witness = None if find_unused_parameters else GradientWitness(
         (n, q) for n, q in model.named_parameters() if n not in ignored)
+    buffers = [] if policy.syncs_parameters else [b for n, b in model.named_buffers()
+                                                  if n not in ignored]
     return TorchDDP(ddp, counts, transport,
                     grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
-                    trace=trace, memory=memory, witness=witness)
+                    trace=trace, memory=memory, witness=witness, buffers=buffers)
