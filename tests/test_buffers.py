@@ -40,9 +40,10 @@ def one_process_eval(cfg: dict, state: dict) -> float:
     return evaluate(model, data, 0, 1, torch.device("cpu"))["loss"]
 
 
-@pytest.mark.parametrize("engine", ["torch_ddp", "gradsync", "fsdp"])
+@pytest.mark.parametrize("engine", ["torch_ddp", "gradsync", "fsdp", "hsdp"])
 def test_the_evaluated_model_is_the_saved_model(pool2, tmp_path, engine):
-    cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}"])
+    replicas = ["trainer.replicas=2"] if engine == "hsdp" else []  # 2 replicas of 1 rank
+    cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}", *replicas])
     ranks = pool2.run(dist_cases.train_run_buffers, cfg, str(tmp_path))
     b0, b1 = ranks[0]["buffers"], ranks[1]["buffers"]
     assert set(b0) == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
@@ -110,3 +111,32 @@ def test_sync_batchnorm_converts_the_models_batchnorm(pool2):
                                           "norm.num_batches_tracked"}
     with pytest.raises(RuntimeError, match="SyncBatchNorm layers only work with GPU modules"):
         pool2.run(engine_cases.batchnorm_statistics, "torch_ddp", True, "cpu", False)
+
+
+@pytest.mark.parametrize("engine", ["torch_ddp", "fsdp"])
+def test_a_resumed_run_evaluates_what_the_uninterrupted_one_does(pool2, tmp_path, engine):
+    """Resumed from the step-5 checkpoint in a fresh dir, every later evaluation and the saved
+    buffers are the uninterrupted run's, bit for bit. Before, on fsdp, the resumed rank 1
+    started from rank 0's buffers (DCP saves a replicated tensor once) while the uninterrupted
+    rank 1 kept its own: their evaluations differed."""
+    import json
+
+    import sharded_cases
+
+    cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}"])
+    through = pool2.run(sharded_cases.run, cfg, str(tmp_path / "through"))[0]
+    ckpt = checkpoint.step_path(tmp_path / "through" / "checkpoints", 5)
+    if engine == "fsdp":
+        ckpt = ckpt.with_suffix(checkpoint.SHARDED_SUFFIX)
+    resumed = pool2.run(sharded_cases.run, cfg | {"resume": str(ckpt)},
+                        str(tmp_path / "resumed"))[0]
+    assert resumed["summary"]["resumed_from"] == str(ckpt)
+
+    def evals(run: str) -> list[tuple[int, str]]:
+        rows = (tmp_path / run / "evals.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"].hex()) for r in map(json.loads, rows) if r["step"] > 5]
+
+    assert len(evals("through")) == 3  # steps 8, 12 and the end (14)
+    assert evals("resumed") == evals("through")
+    for name, value in through["params"].items():
+        assert torch.equal(resumed["params"][name], value), name

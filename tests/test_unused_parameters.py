@@ -36,10 +36,12 @@ def job(tmp_path: Path, cli_env: dict, *args: str) -> Job:
 
 
 @pytest.mark.parametrize("engine,by_rank", [("torch_ddp", False), ("gradsync", False),
-                                            ("fsdp", False), ("fsdp", True)])
+                                            ("fsdp", False), ("fsdp", True), ("hsdp", True)])
 def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env, engine,
                                                                by_rank):
-    run = job(tmp_path, cli_env, f"trainer.engine={engine}", f"+model.by_rank={by_rank}")
+    replicas = ["trainer.replicas=2"] if engine == "hsdp" else []
+    run = job(tmp_path, cli_env, f"trainer.engine={engine}", f"+model.by_rank={by_rank}",
+              *replicas)
     code, _, err = run.finish()
     assert code == 1, err
     line = err.strip().splitlines()[-1]
@@ -55,7 +57,7 @@ def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     # step 1 used the branch everywhere: its checkpoint stays, complete; step 2 wrote none
     assert [p.name for p in checkpoint.complete(run_dir / "checkpoints")] == [
-        "step_00000001" + (checkpoint.SHARDED_SUFFIX if engine == "fsdp" else ".pt")]
+        "step_00000001" + (checkpoint.SHARDED_SUFFIX if engine in ("fsdp", "hsdp") else ".pt")]
     assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "metrics.jsonl").is_file()
     assert run.survivors() == []
 
