@@ -70,3 +70,15 @@ def test_with_find_unused_parameters_every_engine_trains_the_branch(tmp_path, cl
     assert code == 0, err
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["optimizer_steps"] == 8
+
+
+def test_fsdp_reduces_what_the_window_accumulated(tmp_path, cli_env):
+    """Windows of 2 (the branch used on the first micro-batch, inside no_sync, skipped on the
+    synchronising second): FSDP reduce-scatters what accumulated, so it trains; torch's DDP
+    reduces what the synchronising backward produced, so torch_ddp stops."""
+    fsdp = job(tmp_path / "fsdp", cli_env, "trainer.engine=fsdp", "schedule.accum_steps=2")
+    code, _, err = fsdp.finish()
+    assert code == 0, err
+    ddp = job(tmp_path / "ddp", cli_env, "schedule.accum_steps=2")
+    code, _, err = ddp.finish()
+    assert code == 1 and "UnusedParameters: rank" in err.strip().splitlines()[-1], err

@@ -354,8 +354,10 @@ def _count_all_reduce(counts: CommCounts, group: str) -> Callable[[torch.Tensor]
 
 def _refuse_unused(group: Any) -> None:
     """Without find_unused_parameters: before a unit's reduce-scatter (its post_backward), the
-    parameters this synchronising backward gave no gradient raise UnusedParameters. FSDP2 would
-    reduce-scatter only the gradients it has; ranks that miss different parameters then send
+    parameters this synchronising backward gave no gradient raise UnusedParameters; FSDP
+    reduce-scatters what accumulated since the last one, so a gradient of an earlier no_sync
+    micro-batch of the window counts (DDP needs one in the synchronising backward). FSDP2
+    would reduce-scatter only the gradients it has; ranks that miss different parameters then send
     tensors of different sizes, and gloo aborts the process (SIGABRT: "Received data size
     doesn't match expected size")."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -372,7 +374,8 @@ def _refuse_unused(group: Any) -> None:
                        and fp.unsharded_accumulated_grad is None]
             if missing:
                 raise unused_error(missing, "FSDP would leave them out of the unit's "
-                                   "reduce-scatter, whose size then differs from a rank that "
+                                   "reduce-scatter (no earlier micro-batch of the window used "
+                                   "them either), whose size then differs from a rank that "
                                    "used them (gloo aborts)")
         return post_backward(*args)
 
