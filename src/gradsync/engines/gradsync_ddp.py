@@ -132,7 +132,7 @@ class GradsyncDDP:
 
         # 1. Start: every replica gets rank 0's parameters and buffers.
         broadcast_from_rank0([p.detach() for n, p in model.named_parameters() if n not in skip]
-                   + [b.detach() for b in self.buffers])
+                             + [b.detach() for b in self.buffers])
         self.sync_buffers = bool(self.buffers) and not policy.syncs_parameters
 
         # 2. Buckets, as torch's DDP cuts them before its first synchronising backward.
