@@ -236,11 +236,14 @@ def batchnorm_statistics(engine: str, sync_batchnorm: bool, device: str = "cpu",
     from components_for_tests import BatchNormMLP
 
     rank = dist.get_rank()
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # DDP's device_ids: this rank's GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = BatchNormMLP(6, 3).to(device)
+    model = BatchNormMLP(6, 3).to(dev)
     first = (model.inp.weight.detach().cpu().clone(), model.inp.bias.detach().cpu().clone())
     policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
-    eng = build_engine(engine, model=model, policy=policy, device=torch.device(device),
+    eng = build_engine(engine, model=model, policy=policy, device=dev,
                        world_size=2, counts=CommCounts(), allreduce="process_group",
                        sync_batchnorm=sync_batchnorm)
     g = torch.Generator().manual_seed(rank)
@@ -248,6 +251,6 @@ def batchnorm_statistics(engine: str, sync_batchnorm: bool, device: str = "cpu",
     if train:
         for i, x in enumerate(xs):
             with eng.micro_batch(policy.should_sync(i, 2)):
-                eng(x.to(device)).square().sum().backward()
+                eng(x.to(dev)).square().sum().backward()
     return {"norm": type(eng.module.norm).__name__, "xs": xs, "first": first,
             "buffers": {n: b.detach().cpu().clone() for n, b in eng.module.named_buffers()}}
