@@ -352,34 +352,63 @@ def _count_all_reduce(counts: CommCounts, group: str) -> Callable[[torch.Tensor]
     return hook
 
 
-def _refuse_unused(group: Any) -> None:
-    """Without find_unused_parameters: before a unit's reduce-scatter (its post_backward), the
-    parameters this synchronising backward gave no gradient raise UnusedParameters; FSDP
-    reduce-scatters what accumulated since the last one, so a gradient of an earlier no_sync
-    micro-batch of the window counts (DDP needs one in the synchronising backward). FSDP2
-    would reduce-scatter only the gradients it has; ranks that miss different parameters then send
-    tensors of different sizes, and gloo aborts the process (SIGABRT: "Received data size
-    doesn't match expected size")."""
+UNUSED_WHY = ("FSDP would leave them out of the unit's reduce-scatter (no earlier micro-batch "
+              "of the window used them either), whose size then differs from a rank that used "
+              "them (gloo aborts)")
+
+
+def _without_gradient(group: Any) -> list[str]:
+    """The trainable parameters of an FSDP parameter group that hold no gradient (none from
+    this backward, none accumulated in the window's earlier no_sync micro-batches)."""
+    out = []
+    for fp in group.fsdp_params:
+        whole = getattr(fp, "_unsharded_param", None)
+        if (fp.sharded_param.requires_grad and (whole is None or whole.grad is None)
+                and fp.unsharded_accumulated_grad is None):
+            out.append(fp._param_fqn or "?")
+    return out
+
+
+def _refuse_unused(units: list[Any]) -> None:
+    """Without find_unused_parameters: the parameters a synchronising backward gave no gradient
+    raise UnusedParameters before any reduce-scatter could miss them. FSDP2 reduce-scatters only
+    the gradients a unit holds; ranks that miss different parameters then send tensors of
+    different sizes, and gloo aborts the process (SIGABRT: "Received data size doesn't match
+    expected size"). FSDP reduces what accumulated since the last synchronisation, so a gradient
+    of an earlier no_sync micro-batch of the window counts (DDP needs one in the synchronising
+    backward). Two places: each parameter group's post_backward (run by autograd once the unit's
+    gradients are in), and, before FSDP's final callback runs the post_backward of every unit
+    autograd did not reach (units whose inputs need no gradient, the root, a unit whose forward
+    a rank skipped), all those units at once: one of them must not reduce-scatter before
+    another's missing gradient is seen. Not seen in time: a unit skipped on one rank whose
+    peers reduce-scatter it from autograd, before the callback (the collectives then pair up
+    wrongly)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    post_backward = group.post_backward
+    groups = [g for u in units for g in fsdp_param_groups(u)]
 
-    def checked(*args: Any) -> Any:
-        # once per backward (FSDP may call an unsharded group's post_backward again from its
-        # final callback, its gradients then handed over)
-        if group.reduce_grads and group._training_state != TrainingState.POST_BACKWARD:
-            missing = [fp._param_fqn for fp in group.fsdp_params
-                       if (whole := getattr(fp, "_unsharded_param", None)) is not None
-                       and whole.requires_grad and whole.grad is None
-                       and fp.unsharded_accumulated_grad is None]
+    def pending(g: Any) -> bool:  # to be reduced, not yet in this backward
+        return bool(g.reduce_grads) and g._training_state != TrainingState.POST_BACKWARD
+
+    for group in groups:
+        def checked(*args: Any, group: Any = group, post_backward: Any = group.post_backward
+                    ) -> Any:
+            missing = _without_gradient(group) if pending(group) else []
             if missing:
-                raise unused_error(missing, "FSDP would leave them out of the unit's "
-                                   "reduce-scatter (no earlier micro-batch of the window used "
-                                   "them either), whose size then differs from a rank that "
-                                   "used them (gloo aborts)")
-        return post_backward(*args)
+                raise unused_error(missing, UNUSED_WHY)
+            return post_backward(*args)
 
-    group.post_backward = checked
+        group.post_backward = checked
+    for unit in units:  # any unit's state may queue the callback (its _pre_backward)
+        state = unit._get_fsdp_state()
+
+        def final(final: Any = state._root_post_backward_final_callback) -> None:
+            missing = [n for g in groups if pending(g) for n in _without_gradient(g)]
+            if missing:
+                raise unused_error(missing, UNUSED_WHY)
+            final()
+
+        state._root_post_backward_final_callback = final
 
 
 def _hosts() -> int:
@@ -431,10 +460,9 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
             module.set_all_reduce_hook(_count_all_reduce(counts, u.sync.group))
         if find_unused:  # zeros for a parameter without gradient: every rank sends every one
             module.set_reduce_scatter_unused_params(True, recurse=False)
-        else:
-            for group in fsdp_param_groups(module):
-                _refuse_unused(group)
         units.append(Unit(u, module, reduce_dtype))
+    if not find_unused:
+        _refuse_unused([u.module for u in units])
     return FSDPEngine(name, model, units, {"replicate": replicate,
                                            "shard": world_size // replicate}, counts, memory,
                       param_dtype)
