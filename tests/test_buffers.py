@@ -140,3 +140,20 @@ def test_a_resumed_run_evaluates_what_the_uninterrupted_one_does(pool2, tmp_path
     assert evals("resumed") == evals("through")
     for name, value in through["params"].items():
         assert torch.equal(resumed["params"][name], value), name
+
+
+def test_torch_ddp_and_gradsync_train_the_same_bits_with_batchnorm(pool2, tmp_path):
+    """Both engines broadcast the buffers the same way (in the forward, and before every
+    evaluation and checkpoint): the same rows, parameters and buffers, bit for bit. (Training
+    itself is what it was before the buffers were aligned: DDP's next forward broadcasts rank
+    0's buffers anyway; checked once against the code before, 14 rows and last.pt equal.)"""
+    from configs import losses
+
+    out = {}
+    for engine in ("torch_ddp", "gradsync"):
+        cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}"])
+        out[engine] = pool2.run(dist_cases.train_run_rows, cfg, str(tmp_path / engine))[0]
+    theirs, ours = out["torch_ddp"], out["gradsync"]
+    assert len(ours["rows"]) == 14 and losses(ours["rows"]) == losses(theirs["rows"])
+    for name, value in theirs["params"].items():
+        assert torch.equal(ours["params"][name], value), name
