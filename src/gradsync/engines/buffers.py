@@ -38,3 +38,8 @@ def to_sync_batchnorm(model: nn.Module) -> nn.Module:
     """trainer.sync_batchnorm: the model with every BatchNorm layer a SyncBatchNorm over the
     default group (the same parameters and buffers, moved over); the root itself if it is one."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def synced_batchnorm(model: nn.Module) -> bool:
+    """Whether the model holds a SyncBatchNorm (summary.json's engine entry)."""
+    return any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())

@@ -252,7 +252,8 @@ class FSDPEngine:
     transport = "process_group"
 
     def __init__(self, name: str, model: nn.Module, units: list[Unit], mesh: dict[str, int],
-                 counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None):
+                 counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None,
+                 find_unused: bool = False):
         self.name = name
         self.module = model
         self.units = units
@@ -261,6 +262,7 @@ class FSDPEngine:
         self.memory = memory
         self.trace: SyncTrace | None = None  # trainer.trace_sync: the DDP engines only
         self.param_dtype = param_dtype
+        self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 
     def __call__(self, *inputs: Any) -> Any:
         return self.module(*inputs)
@@ -331,6 +333,7 @@ class FSDPEngine:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "transport": self.transport, "mesh": self.mesh,
                 "param_dtype": _dtype_name(self.param_dtype),
+                "find_unused_parameters": self.find_unused,
                 "units": [{"name": u.plan.name or "<root>", "tensors": len(u.plan.params),
                            "bytes": u.plan.nbytes, "group": u.plan.sync.group,
                            "reduce_scatter": u.plan.sync.reduce_scatter,
@@ -465,7 +468,7 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         _refuse_unused([u.module for u in units])
     return FSDPEngine(name, model, units, {"replicate": replicate,
                                            "shard": world_size // replicate}, counts, memory,
-                      param_dtype)
+                      param_dtype, find_unused)
 
 
 def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,

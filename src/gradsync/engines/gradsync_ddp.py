@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
-from gradsync.engines.buffers import broadcast_from_rank0, to_sync_batchnorm
+from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
@@ -386,6 +386,7 @@ class GradsyncDDP:
                 "bucket_cap_mb": self.cap / 2**20,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view,
                 "find_unused_parameters": self.find_unused,
+                "sync_batchnorm": synced_batchnorm(self.module),
                 "buckets": [len(b.params) for b in self.buckets]}
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
-from gradsync.engines.buffers import broadcast_from_rank0, to_sync_batchnorm
+from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
@@ -106,7 +106,8 @@ class TorchDDP:
         return {"name": self.name, "transport": self.transport,
                 "bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20,
                 "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
-                "find_unused_parameters": self.ddp.find_unused_parameters}
+                "find_unused_parameters": self.ddp.find_unused_parameters,
+                "sync_batchnorm": synced_batchnorm(self.module)}
 
 
 def bucket_bytes(ddp: DistributedDataParallel) -> int:
