@@ -202,3 +202,43 @@ class RaisesBaseException:
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         if windows_done == 2 and torch.distributed.get_rank() == 1:
             raise NotAnException("raised on rank 1 after window 2")
+
+
+# --- the models people train (issue 30): BatchNorm, a branch some micro-batches skip ----------
+
+class BatchNormMLP(nn.Module):
+    """Linear, BatchNorm1d, ReLU, Linear: running statistics each rank updates from its own
+    micro-batches (data=synthetic gives in_dim, out_dim)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(in_dim, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+        self.out = nn.Linear(hidden, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+class SometimesUnusedBranch(nn.Module):
+    """An MLP with an auxiliary branch that the training forward skips on every `every`-th
+    call (the 2nd, 4th... by default), so that the synchronising backward of such a call leaves
+    aux's parameters without a gradient. by_rank: rank r skips every (every + r)-th call (the
+    ranks skip it on different calls: on the 2nd, rank 0 alone)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int = 16, every: int = 2,
+                 by_rank: bool = False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, out_dim))
+        self.aux = nn.Linear(in_dim, out_dim)
+        self.every, self.by_rank = every, by_rank
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        if self.training:
+            self.calls += 1
+            every = self.every + (torch.distributed.get_rank() if self.by_rank else 0)
+            if self.calls % every:
+                out = out + self.aux(x)
+        return out

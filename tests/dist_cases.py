@@ -242,3 +242,17 @@ def own_gpu_refusal(gpus: list[str]) -> str | None:
     except DeviceError as e:
         return str(e)
     return None
+
+
+def train_run_buffers(cfg: dict, run_dir: str) -> dict:
+    """train_run, plus this rank's buffers at the end of the run (the model it evaluated)."""
+    held = {}
+
+    def keep(parts):
+        held["parts"] = parts
+        return parts
+
+    summary, _ = run_training_with(keep, cfg, run_dir)
+    module = held["parts"].engine.module
+    return {"summary": summary,
+            "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}

@@ -225,3 +225,32 @@ def gradient_memory(engine: str, view: bool) -> dict:
         measured = storage_bytes([*grads, *(b.buffer for b in eng.buckets)])
     return {"reported": eng.memory.grads.unsharded_bytes, "measured": measured,
             "params": sum(p.nbytes for p in model.parameters())}
+
+
+def batchnorm_statistics(engine: str, sync_batchnorm: bool, device: str = "cpu",
+                         train: bool = True) -> dict:
+    """components_for_tests.BatchNormMLP on `engine` (trainer.sync_batchnorm as given), one
+    window of 2 micro-batches of 4 samples (the first inside no_sync), each rank its own data:
+    the norm layer's class, this rank's buffers after the window, its inputs and the first
+    layer's initial weights. train=False: built only (torch's SyncBatchNorm trains on CUDA)."""
+    from components_for_tests import BatchNormMLP
+
+    rank = dist.get_rank()
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # DDP's device_ids: this rank's GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = BatchNormMLP(6, 3).to(dev)
+    first = (model.inp.weight.detach().cpu().clone(), model.inp.bias.detach().cpu().clone())
+    policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
+    eng = build_engine(engine, model=model, policy=policy, device=dev,
+                       world_size=2, counts=CommCounts(), allreduce="process_group",
+                       sync_batchnorm=sync_batchnorm)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, 6, generator=g) for _ in range(2)]
+    if train:
+        for i, x in enumerate(xs):
+            with eng.micro_batch(policy.should_sync(i, 2)):
+                eng(x.to(dev)).square().sum().backward()
+    return {"norm": type(eng.module.norm).__name__, "xs": xs, "first": first,
+            "buffers": {n: b.detach().cpu().clone() for n, b in eng.module.named_buffers()}}

@@ -182,3 +182,34 @@ def test_bf16_is_refused_exactly_where_the_gpu_emulates_it(tmp_path, cli_env):
     else:
         assert done.returncode == 2
         assert "precision.name='bf16' is not native on cuda:0" in done.stderr
+
+
+@pytest.mark.parametrize("engine", ["torch_ddp", "gradsync"])
+def test_sync_batchnorm_keeps_the_statistics_of_both_ranks_batches(gpu_pool2, engine):
+    """trainer.sync_batchnorm (issue 30): one window of 2 micro-batches (the first in no_sync),
+    each rank its own 4 samples. With SyncBatchNorm both ranks hold the same buffers, and the
+    running mean (momentum 0.1, from 0) is that of both ranks' 8 samples per forward:
+    0.9 * 0.1 * m1 + 0.1 * m2; with BatchNorm each rank's follows its own 4 samples (DDP
+    broadcasts rank 0's only before a forward that follows a synchronising one)."""
+    import engine_cases
+
+    def mean_of(xs: list[torch.Tensor], first) -> torch.Tensor:
+        weight, bias = first
+        return (torch.cat(xs).double() @ weight.double().T + bias.double()).mean(0)
+
+    synced = gpu_pool2.run(engine_cases.batchnorm_statistics, engine, True, "cuda")
+    plain = gpu_pool2.run(engine_cases.batchnorm_statistics, engine, False, "cuda")
+    assert [o["norm"] for o in synced] == ["SyncBatchNorm"] * 2
+    for name in synced[0]["buffers"]:
+        assert torch.equal(synced[0]["buffers"][name], synced[1]["buffers"][name]), name
+    first = synced[0]["first"]
+    m = [mean_of([synced[r]["xs"][k] for r in (0, 1)], first) for k in (0, 1)]
+    expected = 0.09 * m[0] + 0.1 * m[1]
+    assert torch.allclose(synced[0]["buffers"]["norm.running_mean"].double(), expected,
+                          atol=1e-5)
+    for r in (0, 1):
+        own = 0.09 * mean_of([plain[r]["xs"][0]], first) + 0.1 * mean_of([plain[r]["xs"][1]],
+                                                                           first)
+        assert torch.allclose(plain[r]["buffers"]["norm.running_mean"].double(), own, atol=1e-5)
+    assert not torch.equal(plain[0]["buffers"]["norm.running_mean"],
+                           plain[1]["buffers"]["norm.running_mean"])

@@ -61,7 +61,11 @@ def test_a_parameter_without_gradient_is_an_error_that_names_it(pool2):
     for r, message in enumerate(ours):
         assert message.startswith(f"rank {r}: {missing[r]}")
         assert "trainer.find_unused_parameters=true" in message
-    assert all("find_unused_parameters=True" in m for m in theirs)
+    # torch_ddp: the same parameters, named after the backward (DDP itself fails one forward
+    # later, naming none: engines/unused.py)
+    for r, message in enumerate(theirs):
+        assert message.startswith(f"rank {r}: {missing[r]}")
+        assert "trainer.find_unused_parameters=true" in message
 
 
 def test_buffers_and_copied_gradients_as_torch_ddp(pool2):
@@ -299,11 +303,11 @@ def test_the_mistakes_of_the_debugging_page(examples, pool2, tmp_path):
     assert pool2.run(engine_cases.example_run, drifts, str(tmp_path / "b"), "RuntimeError") == [
         "replicas differ after optimizer step 1: parameter '0.weight' on rank 1 is not rank "
         "0's (trainer.check_replicas)"] * 2
-    for engine, says in (("gradsync", "head.weight, head.bias"),
-                         ("torch_ddp", "find_unused_parameters=True")):
+    for engine in ("gradsync", "torch_ddp"):
         cfg = examples([f"trainer.engine={engine}"], model=unused)
-        for m in pool2.run(engine_cases.example_run, cfg, str(tmp_path / engine), "RuntimeError"):
-            assert says in m
+        for m in pool2.run(engine_cases.example_run, cfg, str(tmp_path / engine),
+                           "UnusedParameters"):
+            assert "head.weight, head.bias" in m and "trainer.find_unused_parameters=true" in m
     fine = examples(["trainer.find_unused_parameters=true"], model=unused)
     r0, _ = pool2.run(engine_cases.example_run, fine, str(tmp_path / "fine"))
     assert r0["summary"]["optimizer_steps"] == 3

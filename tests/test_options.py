@@ -71,6 +71,8 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.noise_scale"): "true or false: both are choices",
     ("", "trainer.noise_scale_decay"): [0, -0.5, 1.0, 1.5],
     ("", "trainer.trace_sync"): "true or false: both are choices",
+    # true needs CUDA ranks, a DDP engine and a model with BatchNorm: none here
+    ("", "trainer.sync_batchnorm"): [True],
     # sharded engines' settings: refused on the DDP engines, checked against the model there
     ("", "trainer.fsdp_units"): ["", "nope*", "0"],
     ("", "trainer.replicas"): [-1, 5],

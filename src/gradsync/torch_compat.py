@@ -19,6 +19,13 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   (engines/fsdp.py). Every public FSDP2 and torch.distributed.checkpoint API the sharded engines
   call, and the legacy profiler's private API train/memory.py traces allocations with, are the
   same in 2.11 and 2.13.
+- The unused-parameter check of the sharded engines (engines/fsdp.py ``_refuse_unused``) wraps
+  FSDP2's private ``FSDPParamGroup.post_backward`` and
+  ``FSDPState._root_post_backward_final_callback``, and reads ``reduce_grads``,
+  ``_training_state``, ``fsdp_params`` and each ``FSDPParam``'s ``_unsharded_param``,
+  ``unsharded_accumulated_grad``, ``sharded_param`` and ``_param_fqn``: read against 2.13 only.
+  ``trainer.find_unused_parameters`` there needs ``set_reduce_scatter_unused_params``
+  (``fsdp_reduces_unused``; refused where it is missing).
 """
 
 from __future__ import annotations
@@ -46,3 +53,11 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
         one = state._fsdp_param_group
         groups = [] if one is None else [one]
     return list(groups)
+
+
+def fsdp_reduces_unused() -> bool:
+    """Whether FSDP2 can reduce-scatter zeros for parameters without gradient
+    (``set_reduce_scatter_unused_params``: trainer.find_unused_parameters on a sharded engine)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")

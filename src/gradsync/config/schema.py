@@ -92,6 +92,9 @@ class TrainerConfig:
     # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
     # a parameter is an error
     find_unused_parameters: bool = False
+    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
+    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
+    sync_batchnorm: bool = False
     trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
@@ -126,6 +129,10 @@ class TrainerConfig:
                 f"one of {', '.join(ALLREDUCE)}", self.allreduce)
         require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
                 "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
+        if self.sync_batchnorm and device_type != "cuda":
+            raise ConfigError("trainer.sync_batchnorm=true needs CUDA ranks: torch's "
+                              "SyncBatchNorm computes its statistics on the GPU only (no CPU "
+                              "kernel); on CPU ranks each rank keeps its own batch statistics")
         if self.allreduce == "shared_memory" and device_type == "cuda":
             raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")

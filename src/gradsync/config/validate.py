@@ -182,12 +182,17 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
     built them (the model on the meta device, else on the CPU)."""
     from gradsync.engines.fsdp import check_config
 
-    tr = cfg.trainer
+    tr = cfg.trainer  # sync_batchnorm on CPU ranks: refused by TrainerConfig.check
     if tr.engine in SHARDED_ENGINES:
-        for key in ("trace_sync", "find_unused_parameters"):
+        for key in ("trace_sync", "sync_batchnorm"):
             require(not getattr(tr, key), f"trainer.{key}",
                     f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
                     "gradsync)", getattr(tr, key))
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if tr.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
+        raise ConfigError(f"trainer.sync_batchnorm=true: the model ({cfg.model.target}) has no "
+                          "BatchNorm layer to synchronise")
     check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
                  policy=lambda: policy, model=lambda: model)
 

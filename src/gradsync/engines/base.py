@@ -60,6 +60,12 @@ class Engine(Protocol):
         """What the optimizer steps, clipping measures and the loss normaliser rescales."""
         ...
 
+    def align_buffers(self) -> None:
+        """Collective, before each evaluation and each checkpoint: rank 0's buffers on every
+        rank (engines/buffers.py), so the model evaluated is the model saved; a policy that
+        trains replicas apart keeps each rank's own."""
+        ...
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """After each optimizer step: gradients zeroed (or set to None) as the engine needs."""
         ...

@@ -47,10 +47,12 @@ from torch import nn
 
 from gradsync.components import ConfigError, require
 from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, ShardedSync
 from gradsync.sync.policy import SyncPolicy
-from gradsync.torch_compat import fsdp_param_groups
+from gradsync.torch_compat import fsdp_param_groups, fsdp_reduces_unused
 from gradsync.train.memory import MemoryMeter, local, storage_bytes
 
 log = logging.getLogger("gradsync.engines.fsdp")  # a child of the ranks' log (run/worker.py)
@@ -175,6 +177,10 @@ def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision
     if trainer.allreduce == "shared_memory":
         raise ConfigError(f"trainer.allreduce=shared_memory with {where}: FSDP reduce-scatters "
                           "through the process group; use auto or process_group")
+    if trainer.find_unused_parameters and not fsdp_reduces_unused():
+        raise ConfigError(f"trainer.find_unused_parameters with {where}: this torch's FSDP2 has "
+                          "no set_reduce_scatter_unused_params (torch >= 2.13); use "
+                          "trainer.engine=torch_ddp or gradsync")
     if engine == "fsdp":
         if trainer.replicas != 0:
             raise ConfigError("trainer.replicas is the replicate dimension of trainer.engine="
@@ -246,7 +252,8 @@ class FSDPEngine:
     transport = "process_group"
 
     def __init__(self, name: str, model: nn.Module, units: list[Unit], mesh: dict[str, int],
-                 counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None):
+                 counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None,
+                 find_unused: bool = False):
         self.name = name
         self.module = model
         self.units = units
@@ -255,6 +262,7 @@ class FSDPEngine:
         self.memory = memory
         self.trace: SyncTrace | None = None  # trainer.trace_sync: the DDP engines only
         self.param_dtype = param_dtype
+        self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 
     def __call__(self, *inputs: Any) -> Any:
         return self.module(*inputs)
@@ -294,6 +302,11 @@ class FSDPEngine:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def align_buffers(self) -> None:
+        """FSDP2 shards parameters only: the buffers are whole on every rank and never synced
+        (each rank's BatchNorm statistics follow its own batches); rank 0's, as DCP saves."""
+        broadcast_from_rank0(list(self.module.buffers()))
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
@@ -320,6 +333,7 @@ class FSDPEngine:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "transport": self.transport, "mesh": self.mesh,
                 "param_dtype": _dtype_name(self.param_dtype),
+                "find_unused_parameters": self.find_unused,
                 "units": [{"name": u.plan.name or "<root>", "tensors": len(u.plan.params),
                            "bytes": u.plan.nbytes, "group": u.plan.sync.group,
                            "reduce_scatter": u.plan.sync.reduce_scatter,
@@ -341,6 +355,65 @@ def _count_all_reduce(counts: CommCounts, group: str) -> Callable[[torch.Tensor]
     return hook
 
 
+UNUSED_WHY = ("FSDP would leave them out of the unit's reduce-scatter (no earlier micro-batch "
+              "of the window used them either), whose size then differs from a rank that used "
+              "them (gloo aborts)")
+
+
+def _without_gradient(group: Any) -> list[str]:
+    """The trainable parameters of an FSDP parameter group that hold no gradient (none from
+    this backward, none accumulated in the window's earlier no_sync micro-batches)."""
+    out = []
+    for fp in group.fsdp_params:
+        whole = getattr(fp, "_unsharded_param", None)
+        if (fp.sharded_param.requires_grad and (whole is None or whole.grad is None)
+                and fp.unsharded_accumulated_grad is None):
+            out.append(fp._param_fqn or "?")
+    return out
+
+
+def _refuse_unused(units: list[Any]) -> None:
+    """Without find_unused_parameters: the parameters a synchronising backward gave no gradient
+    raise UnusedParameters before any reduce-scatter could miss them. FSDP2 reduce-scatters only
+    the gradients a unit holds; ranks that miss different parameters then send tensors of
+    different sizes, and gloo aborts the process (SIGABRT: "Received data size doesn't match
+    expected size"). FSDP reduces what accumulated since the last synchronisation, so a gradient
+    of an earlier no_sync micro-batch of the window counts (DDP needs one in the synchronising
+    backward). Two places: each parameter group's post_backward (run by autograd once the unit's
+    gradients are in), and, before FSDP's final callback runs the post_backward of every unit
+    autograd did not reach (units whose inputs need no gradient, the root, a unit whose forward
+    a rank skipped), all those units at once: one of them must not reduce-scatter before
+    another's missing gradient is seen. Not seen in time: a unit skipped on one rank whose
+    peers reduce-scatter it from autograd, before the callback (the collectives then pair up
+    wrongly)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    groups = [g for u in units for g in fsdp_param_groups(u)]
+
+    def pending(g: Any) -> bool:  # to be reduced, not yet in this backward
+        return bool(g.reduce_grads) and g._training_state != TrainingState.POST_BACKWARD
+
+    for group in groups:
+        def checked(*args: Any, group: Any = group, post_backward: Any = group.post_backward
+                    ) -> Any:
+            missing = _without_gradient(group) if pending(group) else []
+            if missing:
+                raise unused_error(missing, UNUSED_WHY)
+            return post_backward(*args)
+
+        group.post_backward = checked
+    for unit in units:  # any unit's state may queue the callback (its _pre_backward)
+        state = unit._get_fsdp_state()
+
+        def final(final: Any = state._root_post_backward_final_callback) -> None:
+            missing = [n for g in groups if pending(g) for n in _without_gradient(g)]
+            if missing:
+                raise unused_error(missing, UNUSED_WHY)
+            final()
+
+        state._root_post_backward_final_callback = final
+
+
 def _hosts() -> int:
     """The number of hosts the ranks run on (trainer.replicas=0: one replica per host)."""
     names: list[Any] = [None] * dist.get_world_size()
@@ -350,7 +423,7 @@ def _hosts() -> int:
 
 def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device,
            world_size: int, counts: CommCounts, memory: MemoryMeter | None, precision: str,
-           fsdp_units: str, replicas: int) -> FSDPEngine:
+           fsdp_units: str, replicas: int, find_unused: bool = False) -> FSDPEngine:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -388,24 +461,29 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         module.set_custom_all_gather(all_gather(counts, u.sync.group))
         if name == "hsdp" and replicate > 1:
             module.set_all_reduce_hook(_count_all_reduce(counts, u.sync.group))
+        if find_unused:  # zeros for a parameter without gradient: every rank sends every one
+            module.set_reduce_scatter_unused_params(True, recurse=False)
         units.append(Unit(u, module, reduce_dtype))
+    if not find_unused:
+        _refuse_unused([u.module for u in units])
     return FSDPEngine(name, model, units, {"replicate": replicate,
                                            "shard": world_size // replicate}, counts, memory,
-                      param_dtype)
+                      param_dtype, find_unused)
 
 
 def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
-               fsdp_units: str = AUTO_UNITS) -> FSDPEngine:
+               fsdp_units: str = AUTO_UNITS, find_unused_parameters: bool = False) -> FSDPEngine:
     """FSDP over every rank (a 1-D mesh)."""
     return _build("fsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, 1)
+                  fsdp_units, 1, find_unused_parameters)
 
 
 def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
-               fsdp_units: str = AUTO_UNITS, replicas: int = 0) -> FSDPEngine:
+               fsdp_units: str = AUTO_UNITS, replicas: int = 0,
+               find_unused_parameters: bool = False) -> FSDPEngine:
     """HSDP: shard inside world / replicas ranks, replicate across `replicas` (0: one per
     host) such groups (a 2-D mesh)."""
     return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, replicas)
+                  fsdp_units, replicas, find_unused_parameters)

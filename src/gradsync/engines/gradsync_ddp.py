@@ -48,12 +48,12 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.train.memory import MemoryMeter, storage_bytes
-
-BROADCAST_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size: one broadcast per 250 MiB
 
 
 @dataclass(eq=False)
@@ -131,8 +131,8 @@ class GradsyncDDP:
         self.buffers = [b for n, b in model.named_buffers() if n not in skip]
 
         # 1. Start: every replica gets rank 0's parameters and buffers.
-        _broadcast([p.detach() for n, p in model.named_parameters() if n not in skip]
-                   + [b.detach() for b in self.buffers])
+        broadcast_from_rank0([p.detach() for n, p in model.named_parameters() if n not in skip]
+                             + [b.detach() for b in self.buffers])
         self.sync_buffers = bool(self.buffers) and not policy.syncs_parameters
 
         # 2. Buckets, as torch's DDP cuts them before its first synchronising backward.
@@ -220,8 +220,7 @@ class GradsyncDDP:
         if grad and self.rebuild_due:
             self._rebuild()
         if self.forward_synced and self.sync_buffers:  # rank 0's buffers, as torch's DDP
-            with torch.no_grad():
-                _broadcast(self.buffers)
+            broadcast_from_rank0(self.buffers)
         out = self.module(*inputs, **kwargs)
         self.forward_synced = self.backward_syncs = grad and self.require_sync
         return out
@@ -334,13 +333,7 @@ class GradsyncDDP:
                     self.trace.skipped(b.index, b.params, "never launched: no gradient for "
                                        + ", ".join(self.names[i] for i in missing
                                                    if self.slot[i][0] is b))
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: {len(names)} parameter(s) got no gradient in this "
-                f"synchronising backward: {', '.join(names[:8])}"
-                f"{' ...' if len(names) > 8 else ''}; the forward did not use them, so "
-                "their buckets would never be all-reduced. Set "
-                "trainer.find_unused_parameters=true, or leave them out of the model "
-                "(docs/debugging.md)")
+            raise unused_error(names, "their buckets would never be all-reduced")
         for i in missing:
             bucket, pos = self.slot[i]
             self._into_bucket(bucket, pos, self.params[i])
@@ -378,6 +371,10 @@ class GradsyncDDP:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def align_buffers(self) -> None:
+        if self.sync_buffers:
+            broadcast_from_rank0(self.buffers)
+
     def state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
 
@@ -389,6 +386,7 @@ class GradsyncDDP:
                 "bucket_cap_mb": self.cap / 2**20,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view,
                 "find_unused_parameters": self.find_unused,
+                "sync_batchnorm": synced_batchnorm(self.module),
                 "buckets": [len(b.params) for b in self.buckets]}
 
 
@@ -400,23 +398,19 @@ def _view(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tenso
     return buffer[offset:offset + param.numel()].view(param.size())
 
 
-def _broadcast(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values into `tensors` on every rank, coalesced (torch's DDP does the same)."""
-    if tensors and dist.get_world_size() > 1:
-        dist._broadcast_coalesced(dist.distributed_c10d._get_default_group(), tensors,
-                                  BROADCAST_BYTES, 0)
-
-
 def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                        world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                        gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                        find_unused_parameters: bool = False,
                        trace: SyncTrace | None = None,
                        memory: MemoryMeter | None = None,
-                       probe: GradientProbe | None = None) -> GradsyncDDP:
+                       probe: GradientProbe | None = None,
+                       sync_batchnorm: bool = False) -> GradsyncDDP:
     """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce
     inside the counting hook, through shared memory where `allreduce` allows; probe: the noise
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
+    if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
+        model = to_sync_batchnorm(model)
     ignored = policy.bind(model)
     if trace:
         trace.watch(model)  # before the engine's hooks: a gradient's time comes first

@@ -21,7 +21,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.trace import SyncTrace
+from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
@@ -35,9 +37,15 @@ class TorchDDP:
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,
-                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
+                 trace: SyncTrace | None = None, memory: MemoryMeter | None = None,
+                 witness: GradientWitness | None = None,
+                 buffers: list[torch.Tensor] | None = None):
         self.ddp = ddp
         self.module: nn.Module = ddp.module
+        # the buffers DDP syncs from rank 0 (align_buffers); default: all it does not ignore
+        ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.buffers = buffers if buffers is not None else [
+            b for n, b in ddp.module.named_buffers() if n not in ignored]
         self.counts = counts if counts is not None else CommCounts()
         self.memory = memory if memory is not None else MemoryMeter(
             next(ddp.module.parameters()).device)
@@ -51,6 +59,9 @@ class TorchDDP:
         # gradient_as_bucket_view off: the reducer's buckets are a second, flat copy of the
         # gradients, allocated with it and kept (their total does not change when it rebuilds)
         self.bucket_bytes = 0 if ddp.gradient_as_bucket_view else bucket_bytes(ddp)
+        # without find_unused_parameters: which parameters the synchronising backward reached
+        # (DDP itself would only fail at the next forward, naming none: engines/unused.py)
+        self.witness = witness
 
     def __call__(self, *inputs: Any) -> Any:
         return self.ddp(*inputs)
@@ -59,9 +70,16 @@ class TorchDDP:
     def micro_batch(self, sync: bool) -> Iterator[None]:
         # DDP decides in the forward whether the next backward reduces: the forward must run in
         # this context too, or DDP syncs anyway
+        witness = self.witness if sync else None
+        if witness:
+            witness.start()
         with nullcontext() if sync else self.ddp.no_sync(), \
                 self.trace.micro_batch(sync) if self.trace else nullcontext():
             yield
+        missing = witness.missing() if witness else None
+        if missing:  # before the optimizer steps on gradients whose buckets never went out
+            raise unused_error(missing, "their buckets were never all-reduced (torch's DDP "
+                               "would stop at the next forward)")
         # every rank holds whole gradients (views into DDP's buckets: each bucket once; else
         # the gradients and the buckets)
         self.memory.record(storage_bytes(q.grad for q in self.module.parameters())
@@ -69,6 +87,9 @@ class TorchDDP:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
+
+    def align_buffers(self) -> None:
+        broadcast_from_rank0(self.buffers)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=self.grads_to_none)
@@ -85,7 +106,8 @@ class TorchDDP:
         return {"name": self.name, "transport": self.transport,
                 "bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20,
                 "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
-                "find_unused_parameters": self.ddp.find_unused_parameters}
+                "find_unused_parameters": self.ddp.find_unused_parameters,
+                "sync_batchnorm": synced_batchnorm(self.module)}
 
 
 def bucket_bytes(ddp: DistributedDataParallel) -> int:
@@ -100,11 +122,14 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     find_unused_parameters: bool = False,
                     trace: SyncTrace | None = None,
                     memory: MemoryMeter | None = None,
-                    probe: GradientProbe | None = None) -> TorchDDP:
+                    probe: GradientProbe | None = None,
+                    sync_batchnorm: bool = False) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
+    if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
+        model = to_sync_batchnorm(model)
     if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
         raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
                            "(sync_bucket): torch's DDP synchronises all buckets or none")
@@ -122,6 +147,10 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
                                         trace, probe)
     ddp.register_comm_hook(state, counting_hook)
+    witness = None if find_unused_parameters else GradientWitness(
+        (n, q) for n, q in model.named_parameters() if n not in ignored)
+    buffers = [] if policy.syncs_parameters else [b for n, b in model.named_buffers()
+                                                  if n not in ignored]
     return TorchDDP(ddp, counts, transport,
                     grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
-                    trace=trace, memory=memory)
+                    trace=trace, memory=memory, witness=witness, buffers=buffers)

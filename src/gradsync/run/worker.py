@@ -100,6 +100,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                           allreduce=tr.allreduce, memory=memory, precision=cfg.precision.name,
                           fsdp_units=tr.fsdp_units, replicas=tr.replicas,
                           find_unused_parameters=tr.find_unused_parameters,
+                          sync_batchnorm=tr.sync_batchnorm,
                           trace=SyncTrace(rank) if tr.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro,

@@ -335,6 +335,7 @@ def _spent(p: Parts, state: Progress) -> dict[str, Any]:
 
 
 def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
+    p.engine.align_buffers()  # each rank scores its shard with the buffers that are saved
     state.last_eval = p.evaluate()
     log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
     log.evals({"window": state.windows, "step": state.step, "samples": state.samples_seen,
@@ -433,6 +434,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                 steps.flush(state, None)  # a checkpoint covers every row up to its step
                 if p.check_finite:
                     require_finite_parameters(p.engine.module, state.step)
+                p.engine.align_buffers()  # the saved buffers are the ones every rank holds
                 p.checkpoint(p, state)
             if stop or finished:
                 break
