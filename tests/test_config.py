@@ -27,7 +27,8 @@ GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "traine
 # token data and the transformer only go together
 COMPANIONS = {("data", "synthetic_lm"): "model=transformer",
               ("data", "stdlib_text"): "model=transformer",
-              ("model", "transformer"): "data=synthetic_lm"}
+              ("model", "transformer"): "data=synthetic_lm",
+              ("model", "hf_llama"): "data=synthetic_lm"}
 # what each built-in policy answers for the micro-batches of a window of 4
 SYNCS = {"always": [True] * 4, "accumulate": [False, False, False, True],
          "amp_aware": [False, False, False, True],

@@ -17,6 +17,10 @@ from torch import nn
 
 from gradsync.components import CheckContext, ConfigError, checks, locate, require
 
+# model=hf_llama's default: a 2-layer Llama of width 32 (conf/model/hf_llama.yaml states it)
+TINY_LLAMA: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "tie_word_embeddings": True}
 ATTENTION = ("eager", "sdpa")  # transformers' attention implementations that run anywhere
 FROM_DATA = {"vocab_size": "vocab_size", "max_position_embeddings": "max_len"}
 
@@ -40,7 +44,7 @@ def _config_class(path: str) -> Any:
 
 def _check(a: dict[str, Any], ctx: CheckContext) -> None:
     cls = _config_class(a["config_class"])
-    settings = a["config"] or {}
+    settings = a["config"]
     known = set(cls().to_dict())
     for key in settings:
         if key in FROM_DATA:
@@ -68,11 +72,11 @@ class CausalLM(nn.Module):
 
     def __init__(self, vocab_size: int, max_len: int,
                  config_class: str = "transformers.LlamaConfig",
-                 config: dict[str, Any] | None = None, attn_implementation: str = "eager"):
+                 config: dict[str, Any] = TINY_LLAMA, attn_implementation: str = "eager"):
         super().__init__()
         transformers = _transformers()
         hf_config = _config_class(config_class)(
-            **(config or {}), vocab_size=vocab_size, max_position_embeddings=max_len)
+            **config, vocab_size=vocab_size, max_position_embeddings=max_len)
         self.model = transformers.AutoModelForCausalLM.from_config(
             hf_config, attn_implementation=attn_implementation)
 
