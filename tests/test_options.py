@@ -39,7 +39,8 @@ CHOICES = {"": [], "model=transformer": ["model=transformer", "data=synthetic_lm
            "schedule=epochwise": ["schedule=epochwise"],
            "schedule=global_batch": ["schedule=global_batch", "schedule.global_batch_size=64"],
            "schedule=adaptive": ["schedule=adaptive"],
-           "precision=fp16": ["precision=fp16"], "model=mlp": ["model=mlp"]}
+           "precision=fp16": ["precision=fp16"], "model=mlp": ["model=mlp"],
+           "model=hf_llama": ["model=hf_llama", "data=synthetic_lm"]}
 BIG = 10**15  # a size no machine holds (bytes, samples, parameters)
 
 # Each option: the values out of its range (besides the wrong types, NaN and infinities
@@ -73,6 +74,11 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.trace_sync"): "true or false: both are choices",
     # true needs CUDA ranks, a DDP engine and a model with BatchNorm: none here
     ("", "trainer.sync_batchnorm"): [True],
+    # true: refused with the default bucket size below 1 MB? no: 25 MB; a backend, a mode
+    ("", "trainer.compile"): "true or false: both are choices",
+    ("", "trainer.compile_backend"): ["nope", ""],
+    ("", "trainer.compile_mode"): ["fastest"],
+    ("", "trainer.compile_dynamic"): "true, false or null (torch's default): all choices",
     # sharded engines' settings: refused on the DDP engines, checked against the model there
     ("", "trainer.fsdp_units"): ["", "nope*", "0"],
     ("", "trainer.replicas"): [-1, 5],
@@ -103,6 +109,9 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "resume"): ["", "/no/such/checkpoint.pt", "latest"],
     ("", "data.micro_batch_size"): [0, -1],
     # --- models (gradsync/models.py) ----------------------------------------------------------
+    ("model=hf_llama", "model.config_class"): ["torch.nn.Linear", "transformers.Nope", "x"],
+    ("model=hf_llama", "model.config"): [{"hiden_size": 8}, {"vocab_size": 8}],
+    ("model=hf_llama", "model.attn_implementation"): ["flash_attention_2", ""],
     ("model=mlp", "model.hidden_sizes"): [[0], [-1], [8, 0], [10**12], [BIG, BIG]],
     ("model=mlp", "model.activation"): ["softmax", ""],
     ("model=mlp", "model.dropout"): [-0.1, 1.0, 2],

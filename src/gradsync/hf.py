@@ -45,6 +45,8 @@ def _config_class(path: str) -> Any:
 def _check(a: dict[str, Any], ctx: CheckContext) -> None:
     cls = _config_class(a["config_class"])
     settings = a["config"]
+    require(isinstance(settings, dict), "model.config",
+            f"a mapping of {cls.__name__}'s settings", settings)
     known = set(cls().to_dict())
     for key in settings:
         if key in FROM_DATA:

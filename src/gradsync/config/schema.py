@@ -63,6 +63,42 @@ MAX_BUCKET_CAP_MB = 2**20  # a 1 TiB bucket: more than any model's gradients on 
 MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
+COMPILE_ENGINES = ("torch_ddp", "gradsync")  # engines/compiled.py
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DDP_FIRST_BUCKET_MB = 1.0  # torch's DDPOptimizer: its first bucket, no larger than the others
+
+
+def check_compile(tr: TrainerConfig) -> None:
+    """trainer.compile=true: an engine, backend, mode and bucket size torch.compile can run;
+    false: no compile_* setting (it would do nothing)."""
+    if not tr.compile:
+        for key, default in (("compile_backend", "inductor"), ("compile_mode", None),
+                             ("compile_dynamic", None)):
+            if getattr(tr, key) != default:
+                raise ConfigError(f"trainer.{key}={getattr(tr, key)!r} is for trainer.compile="
+                                  "true (it is false: nothing is compiled)")
+        return
+    from torch._dynamo import list_backends  # a second's import: only when compiling
+
+    if tr.engine not in COMPILE_ENGINES:
+        engines = " or ".join(COMPILE_ENGINES)
+        raise ConfigError(f"trainer.compile=true is for trainer.engine={engines} (not yet "
+                          f"{tr.engine}: FSDP2 units compiled one by one are untested here)")
+    backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
+    require(tr.compile_backend in backends, "trainer.compile_backend",
+            f"one of {', '.join(backends)}", tr.compile_backend)
+    if tr.compile_mode is not None:
+        require(tr.compile_mode in COMPILE_MODES, "trainer.compile_mode",
+                f"null or one of {', '.join(COMPILE_MODES)}", tr.compile_mode)
+        require(tr.compile_backend == "inductor", "trainer.compile_mode",
+                "null with trainer.compile_backend other than inductor (modes are inductor's)",
+                tr.compile_mode)
+    if tr.engine == "torch_ddp" and tr.bucket_cap_mb < DDP_FIRST_BUCKET_MB:
+        raise ConfigError(f"trainer.bucket_cap_mb={tr.bucket_cap_mb} with trainer.compile=true: "
+                          f"torch's DDPOptimizer needs buckets of at least {DDP_FIRST_BUCKET_MB:g}"
+                          " MB (its first bucket's size)")
+
+
 @dataclass
 class TrainerConfig:
     devices: int = 2
@@ -95,6 +131,13 @@ class TrainerConfig:
     # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
     # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
     sync_batchnorm: bool = False
+    # torch.compile (the DDP engines; docs/components.md "Compile"): its backend (inductor,
+    # aot_eager, ...), mode (inductor's: default, reduce-overhead, max-autotune...) and dynamic
+    # shapes (null: torch's default, dynamic after the first shape change)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    compile_dynamic: bool | None = None
     trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
@@ -133,6 +176,7 @@ class TrainerConfig:
             raise ConfigError("trainer.sync_batchnorm=true needs CUDA ranks: torch's "
                               "SyncBatchNorm computes its statistics on the GPU only (no CPU "
                               "kernel); on CPU ranks each rank keeps its own batch statistics")
+        check_compile(self)
         if self.allreduce == "shared_memory" and device_type == "cuda":
             raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts
 from gradsync.train.memory import MemoryMeter
@@ -42,6 +43,7 @@ class Engine(Protocol):
     counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
     transport: str  # how the gradients travel: process_group | shared_memory
     trace: SyncTrace | None  # trainer.trace_sync's recorder (engines/trace.py), or None
+    compiled: Compile | None  # trainer.compile: how, and its graphs and seconds (compiled.py)
     # the gradient bytes held after each backward (the engine records them on leaving
     # micro_batch()) and the rank's peak memory (train/memory.py)
     memory: MemoryMeter

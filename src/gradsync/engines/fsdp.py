@@ -48,6 +48,7 @@ from torch import nn
 from gradsync.components import ConfigError, require
 from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.engines.buffers import broadcast_from_rank0
+from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, ShardedSync
@@ -261,6 +262,7 @@ class FSDPEngine:
         self.counts = counts
         self.memory = memory
         self.trace: SyncTrace | None = None  # trainer.trace_sync: the DDP engines only
+        self.compiled: Compile | None = None  # trainer.compile: the DDP engines only
         self.param_dtype = param_dtype
         self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 

@@ -49,6 +49,7 @@ from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
+from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
 from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
@@ -113,6 +114,8 @@ class GradsyncDDP:
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.module = model
+        self.compiled: Compile | None = None  # trainer.compile (build_gradsync_ddp)
+        self.forward: Any = model  # what a micro-batch runs (compiled or not)
         # the gradient bytes held after each backward (train/memory.py)
         self.memory = memory if memory is not None else MemoryMeter(
             next(model.parameters()).device)
@@ -221,7 +224,7 @@ class GradsyncDDP:
             self._rebuild()
         if self.forward_synced and self.sync_buffers:  # rank 0's buffers, as torch's DDP
             broadcast_from_rank0(self.buffers)
-        out = self.module(*inputs, **kwargs)
+        out = self.forward(*inputs, **kwargs)
         self.forward_synced = self.backward_syncs = grad and self.require_sync
         return out
 
@@ -405,7 +408,8 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
                        trace: SyncTrace | None = None,
                        memory: MemoryMeter | None = None,
                        probe: GradientProbe | None = None,
-                       sync_batchnorm: bool = False) -> GradsyncDDP:
+                       sync_batchnorm: bool = False,
+                       compile: Compile | None = None) -> GradsyncDDP:
     """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce
     inside the counting hook, through shared memory where `allreduce` allows; probe: the noise
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
@@ -416,5 +420,8 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
         trace.watch(model)  # before the engine's hooks: a gradient's time comes first
     state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
                                         trace, probe)
-    return GradsyncDDP(model, policy, ignored, state, transport, bucket_cap_mb,
-                       gradient_as_bucket_view, find_unused_parameters, trace, memory)
+    engine = GradsyncDDP(model, policy, ignored, state, transport, bucket_cap_mb,
+                         gradient_as_bucket_view, find_unused_parameters, trace, memory)
+    if compile:  # the engine's hooks see the compiled backward's gradients (compiled.py)
+        engine.compiled, engine.forward = compile, compile.wrap(model)
+    return engine

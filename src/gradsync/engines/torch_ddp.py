@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
+from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
@@ -62,9 +63,11 @@ class TorchDDP:
         # without find_unused_parameters: which parameters the synchronising backward reached
         # (DDP itself would only fail at the next forward, naming none: engines/unused.py)
         self.witness = witness
+        self.compiled: Compile | None = None  # trainer.compile (build_torch_ddp)
+        self.forward: Any = ddp  # what a training micro-batch runs (compiled or not)
 
     def __call__(self, *inputs: Any) -> Any:
-        return self.ddp(*inputs)
+        return self.forward(*inputs)
 
     @contextmanager
     def micro_batch(self, sync: bool) -> Iterator[None]:
@@ -123,7 +126,8 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     trace: SyncTrace | None = None,
                     memory: MemoryMeter | None = None,
                     probe: GradientProbe | None = None,
-                    sync_batchnorm: bool = False) -> TorchDDP:
+                    sync_batchnorm: bool = False,
+                    compile: Compile | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
     consistent itself left to it, the policy's all-reduce installed inside the counting hook,
     through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
@@ -151,6 +155,9 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
         (n, q) for n, q in model.named_parameters() if n not in ignored)
     buffers = [] if policy.syncs_parameters else [b for n, b in model.named_buffers()
                                                   if n not in ignored]
-    return TorchDDP(ddp, counts, transport,
-                    grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
-                    trace=trace, memory=memory, witness=witness, buffers=buffers)
+    engine = TorchDDP(ddp, counts, transport,
+                      grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
+                      trace=trace, memory=memory, witness=witness, buffers=buffers)
+    if compile:  # the wrapper: DDP's graph split at its buckets (engines/compiled.py)
+        engine.compiled, engine.forward = compile, compile.wrap(ddp)
+    return engine

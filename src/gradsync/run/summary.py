@@ -28,6 +28,11 @@ from gradsync.train.metrics import peak_memory_mb, peak_rss_mb, write_json_atomi
 SUMMARY = "summary.json"
 
 
+def samples_per_s(state: Progress, compiled: dict[str, Any] | None) -> float:
+    seconds = state.train_s - (compiled["compile_s"] if compiled else 0.0)
+    return state.samples_seen / seconds if seconds > 0 else 0.0
+
+
 def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     """Collective: the run's summary, on every rank. Per-rank counters are gathered from every
     rank; the largest worker's peak RSS."""
@@ -35,7 +40,8 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     o = p.policy.overflow
     trace = getattr(p.engine, "trace", None)  # trainer.trace_sync
     a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
-    mine = {"sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
+    mine: dict[str, Any] = {
+            "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
             "amp_aborted_windows": o.aborted_windows, "allreduce_skipped": o.allreduce_skipped,
             "overflow_flag_allreduces": o.flag_allreduces, "threads": torch.get_num_threads(),
@@ -44,7 +50,8 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "trace": trace.summary() if trace else None,
             "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
                 "groups": c.sharded_groups},
-            "memory": p.engine.memory.summary()}
+            "memory": p.engine.memory.summary(),
+            "compile": p.engine.compiled.report() if p.engine.compiled else None}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -58,7 +65,8 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "samples_seen": state.samples_seen,
         "final_train_loss": state.last_loss,
         "eval": state.last_eval,
-        "samples_per_s": state.samples_seen / state.train_s if state.train_s > 0 else 0.0,
+        # trainer.compile: the seconds dynamo spent compiling left out (summary's "compile")
+        "samples_per_s": samples_per_s(state, mine["compile"]),
         "train_s": state.train_s,
         "sync_backwards": per_rank("sync_backwards"),
         "allreduce_calls": per_rank("allreduce_calls"),
@@ -86,8 +94,19 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
       | group_summary(per_rank("groups")) | trace_summary(per_rank("trace")) \
       | sharded_summary(per_rank("sharded")) | memory_summary(per_rank("memory")) \
+      | compile_summary(per_rank("compile")) \
       | (p.noise.summary() if p.noise is not None else {})
 
+
+
+def compile_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """trainer.compile: how (rank 0's settings), each rank's graphs and compile seconds."""
+    if per_rank[0] is None:
+        return {}
+    ranks = [r for r in per_rank if r is not None]
+    return {"compile": {k: v for k, v in ranks[0].items() if k not in ("graphs", "compile_s")}
+            | {"graphs": [r["graphs"] for r in ranks],
+               "compile_s": [r["compile_s"] for r in ranks]}}
 
 
 def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:

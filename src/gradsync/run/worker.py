@@ -20,6 +20,7 @@ from gradsync.components import build
 from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
+from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
 from gradsync.run import summary as run_summary
 from gradsync.run.devices import check_own_gpu, cpu_threads, usable_cpus
@@ -101,6 +102,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                           fsdp_units=tr.fsdp_units, replicas=tr.replicas,
                           find_unused_parameters=tr.find_unused_parameters,
                           sync_batchnorm=tr.sync_batchnorm,
+                          compile=Compile(tr.compile_backend, tr.compile_mode,
+                                          tr.compile_dynamic) if tr.compile else None,
                           trace=SyncTrace(rank) if tr.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro,
