@@ -94,6 +94,9 @@ ENGINE = {1: 0.95, 4: 1.00}
 ENGINE_PAIRS = (("gradsync accumulate (engine=gradsync)", "gradsync accumulate"),
                 ("gradsync accumulate (gloo all-reduce) engine=gradsync",
                  "gradsync accumulate (gloo all-reduce)"))
+# torch.compile (inductor) against the same engine eager: informative, no target
+COMPILED = (("gradsync accumulate (engine=gradsync) + compile",
+             "gradsync accumulate (engine=gradsync)"),)
 TRACED = (("gradsync accumulate + trace", "gradsync accumulate"),
           ("gradsync accumulate (engine=gradsync) + trace",
            "gradsync accumulate (engine=gradsync)"))
@@ -143,6 +146,10 @@ def targets(runs: dict, ns: list[int]) -> list[str]:
             r = ratio(a, b, n)
             if r is not None:
                 rows.append(_check(n, f"{a} / torch_ddp", r, ENGINE.get(n), at_least=True))
+        for a, b in COMPILED:
+            r = ratio(a, b, n)
+            if r is not None:
+                rows.append(_check(n, f"{a} / eager", r, None, at_least=True))
         for a, b in TRACED:
             r = ratio(a, b, n)
             if r is not None:

@@ -56,6 +56,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
         "gradsync_runs", "run",
         {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
                                              "trainer.allreduce=process_group")}),
+    # torch.compile (inductor) of the gradsync engine's model; the warm-up compiles it, untimed
+    # (torch's DDP leaves an nn.Sequential such as this MLP uncompiled: docs/components.md)
+    "gradsync accumulate (engine=gradsync) + compile": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
+                                                                     "trainer.compile=true")}),
     "gradsync accumulate + trace": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.trace_sync=true",)}),
     "gradsync accumulate (engine=gradsync) + trace": (

@@ -94,7 +94,7 @@ def test_the_engine_rows_run_the_gradsync_engine_and_the_trace():
     import gradsync_runs
     import report
 
-    pairs = [*report.ENGINE_PAIRS, *report.TRACED]
+    pairs = [*report.ENGINE_PAIRS, *report.TRACED, *report.COMPILED]
     for ours, theirs in pairs:
         assert ours in harness.VARIANTS and theirs in harness.VARIANTS
         assert "," not in ours  # --variants splits on commas
@@ -105,3 +105,6 @@ def test_the_engine_rows_run_the_gradsync_engine_and_the_trace():
         _, _, kwargs = harness.VARIANTS[name]
         tr = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["trainer"]
         assert (tr["engine"], tr["trace_sync"]) == (engine, trace)
+    _, _, kwargs = harness.VARIANTS["gradsync accumulate (engine=gradsync) + compile"]
+    tr = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["trainer"]
+    assert (tr["engine"], tr["compile"], tr["compile_backend"]) == ("gradsync", True, "inductor")

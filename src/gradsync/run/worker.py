@@ -189,6 +189,10 @@ def run_training(cfg: RunConfig, run_dir: Path,
             p.engine.memory.start()
             state = train(p, state, run_log)
             summary = run_summary.summarize(p, state, cfg.seed)
+            if p.engine.compiled and not any(summary["compile"]["graphs"]) and is_rank0():
+                log.warning("trainer.compile=true compiled no graph of this model: it ran eager "
+                            "(docs/components.md \"Compile\": an nn.Sequential under torch's "
+                            "DDP is one)")
             newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []
             summary.update(status="interrupted" if p.stop.agreed else "completed",
                            stopped_by=signal_name(p.stop.agreed) if p.stop.agreed else None,
