@@ -1,8 +1,8 @@
 """trainer.compile on real 2-rank gloo groups (engines/compiled.py): a compiled model trains what
 the eager one trains, for the DDP engines and the policies that decide differently (every
-micro-batch, the window's last, local SGD's own steps), with the graphs dynamo built counted
-(no recompilation between synchronising and no_sync() micro-batches) and the compile seconds
-left out of samples/s; what cannot compile is refused in one line.
+micro-batch, the window's last, local SGD's own steps) and for FSDP2's units, with the graphs
+dynamo built counted (no recompilation between synchronising and no_sync() micro-batches)
+and the compile seconds left out of samples/s; what cannot compile is refused in one line.
 
 The backend is aot_eager: dynamo's capture, DDP's graph split and AOT autograd's joint graph,
 without inductor's C++ code generation (tens of seconds per graph on these 2 cores); inductor
@@ -29,10 +29,11 @@ COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
 CASES = {"torch_ddp accumulate": ["sync=accumulate"],
          "torch_ddp always": ["sync=always"],
          "torch_ddp local_sgd": ["sync=local_sgd", "sync.every=2"],
-         "gradsync accumulate": ["sync=accumulate", "trainer.engine=gradsync"]}
+         "gradsync accumulate": ["sync=accumulate", "trainer.engine=gradsync"],
+         "fsdp accumulate": ["sync=accumulate", "trainer.engine=fsdp"]}
 # dynamo's graphs per rank: the first shapes, then one dynamic graph once a length changes
 # (evaluation runs the module eager: no graph for no_grad)
-GRAPHS = {"torch_ddp": 2, "gradsync": 2}
+GRAPHS = {"torch_ddp": 2, "gradsync": 2, "fsdp": 2}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,6 @@ def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.engine=fsdp"], "trainer.compile=true is for trainer.engine=torch_ddp or gradsync"),
     (["trainer.bucket_cap_mb=0.5"], "trainer.bucket_cap_mb=0.5 with trainer.compile=true: "
                                     "torch's DDPOptimizer needs buckets of at least 1 MB"),
     (["trainer.compile_backend=nope"], "trainer.compile_backend='nope' is not allowed: one of"),

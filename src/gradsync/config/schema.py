@@ -63,7 +63,6 @@ MAX_BUCKET_CAP_MB = 2**20  # a 1 TiB bucket: more than any model's gradients on 
 MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
-COMPILE_ENGINES = ("torch_ddp", "gradsync")  # engines/compiled.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DDP_FIRST_BUCKET_MB = 1.0  # torch's DDPOptimizer: its first bucket, no larger than the others
 
@@ -80,10 +79,6 @@ def check_compile(tr: TrainerConfig) -> None:
         return
     from torch._dynamo import list_backends  # a second's import: only when compiling
 
-    if tr.engine not in COMPILE_ENGINES:
-        engines = " or ".join(COMPILE_ENGINES)
-        raise ConfigError(f"trainer.compile=true is for trainer.engine={engines} (not yet "
-                          f"{tr.engine}: FSDP2 units compiled one by one are untested here)")
     backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
     require(tr.compile_backend in backends, "trainer.compile_backend",
             f"one of {', '.join(backends)}", tr.compile_backend)
@@ -131,7 +126,7 @@ class TrainerConfig:
     # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
     # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
     sync_batchnorm: bool = False
-    # torch.compile (the DDP engines; docs/components.md "Compile"): its backend (inductor,
+    # torch.compile (every engine; docs/components.md "Compile"): its backend (inductor,
     # aot_eager, ...), mode (inductor's: default, reduce-overhead, max-autotune...) and dynamic
     # shapes (null: torch's default, dynamic after the first shape change)
     compile: bool = False

@@ -6,6 +6,8 @@
   DDPOptimizer wants its first bucket, 1 MB, no larger than the others: bucket_cap_mb >= 1).
 - gradsync: the model; the engine's gradient hooks fire as the compiled backward hands each
   gradient to autograd.
+- fsdp, hsdp: each unit below the root, its forward alone (torchtitan compiles each block):
+  FSDP2's hooks around it, which all-gather before and reduce-scatter after, stay eager.
 Only the forward the engine runs in training is compiled: the module stays as it is (its
 parameter names, no ``_orig_mod.``: checkpoints, ``sync.groups`` rules and ``+inspect=params``
 see the eager model), and evaluation runs it eager (no recompile for no_grad).
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 # dynamo's timers: a frame's whole compilation (its forward graph, and the backward where AOT
@@ -33,7 +36,7 @@ class Compile:
     mode: str | None = None
     dynamic: bool | None = None
 
-    def wrap(self, module: nn.Module) -> Any:
+    def wrap(self, module: Any) -> Any:
         """The forward the engine runs in training: `module` compiled (its parameters, its
         names: the module itself is left as it is, and evaluation runs it eager)."""
         import torch._dynamo
@@ -45,6 +48,17 @@ class Compile:
         counters.clear()
         compilation_time_metrics.clear()
         return torch.compile(module, backend=self.backend, mode=self.mode, dynamic=self.dynamic)
+
+    def compile_forward(self, module: nn.Module) -> None:
+        """`module`'s forward compiled where it computes gradients (a sharded engine's unit,
+        between FSDP's hooks, which stay eager), eager under no_grad (evaluation)."""
+        eager = module.forward
+        compiled = self.wrap(eager)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
 
     def report(self) -> dict[str, Any]:
         """This process's graphs and compile seconds so far."""

@@ -425,7 +425,8 @@ def _hosts() -> int:
 
 def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device,
            world_size: int, counts: CommCounts, memory: MemoryMeter | None, precision: str,
-           fsdp_units: str, replicas: int, find_unused: bool = False) -> FSDPEngine:
+           fsdp_units: str, replicas: int, find_unused: bool = False,
+           compile: Compile | None = None) -> FSDPEngine:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -454,6 +455,10 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
     param_dtype = torch.bfloat16 if precision == "bf16" else None
     reduce_scatter, all_gather = _collectives()
     units = []
+    if compile:  # each unit below the root: its forward, between FSDP's hooks (compiled.py)
+        for u in plan:
+            if u.name:
+                compile.compile_forward(model.get_submodule(u.name))
     for u in plan:  # innermost first: fully_shard is applied bottom-up
         # with bf16 parameters, reduce in fp32 unless the policy's wire is lower
         reduce_dtype = u.sync.wire or (torch.float32 if param_dtype else None)
@@ -468,24 +473,28 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         units.append(Unit(u, module, reduce_dtype))
     if not find_unused:
         _refuse_unused([u.module for u in units])
-    return FSDPEngine(name, model, units, {"replicate": replicate,
-                                           "shard": world_size // replicate}, counts, memory,
-                      param_dtype, find_unused)
+    engine = FSDPEngine(name, model, units, {"replicate": replicate,
+                                             "shard": world_size // replicate}, counts, memory,
+                        param_dtype, find_unused)
+    engine.compiled = compile
+    return engine
 
 
 def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
-               fsdp_units: str = AUTO_UNITS, find_unused_parameters: bool = False) -> FSDPEngine:
+               fsdp_units: str = AUTO_UNITS, find_unused_parameters: bool = False,
+               compile: Compile | None = None) -> FSDPEngine:
     """FSDP over every rank (a 1-D mesh)."""
     return _build("fsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, 1, find_unused_parameters)
+                  fsdp_units, 1, find_unused_parameters, compile)
 
 
 def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
                fsdp_units: str = AUTO_UNITS, replicas: int = 0,
-               find_unused_parameters: bool = False) -> FSDPEngine:
+               find_unused_parameters: bool = False,
+               compile: Compile | None = None) -> FSDPEngine:
     """HSDP: shard inside world / replicas ranks, replicate across `replicas` (0: one per
     host) such groups (a 2-D mesh)."""
     return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
-                  fsdp_units, replicas, find_unused_parameters)
+                  fsdp_units, replicas, find_unused_parameters, compile)
