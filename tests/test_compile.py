@@ -1,6 +1,7 @@
 """trainer.compile on real 2-rank gloo groups (engines/compiled.py): a compiled model trains what
 the eager one trains, for the DDP engines and the policies that decide differently (every
-micro-batch, the window's last, local SGD's own steps) and for FSDP2's units, with the graphs
+micro-batch, the window's last, local SGD's and DiLoCo's own steps, amp_aware's bf16 wire,
+PowerSGD's factors) and for FSDP2's units, with the graphs
 dynamo built counted (no recompilation between synchronising and no_sync() micro-batches)
 and the compile seconds left out of samples/s; what cannot compile is refused in one line.
 
@@ -30,7 +31,15 @@ CASES = {"torch_ddp accumulate": ["sync=accumulate"],
          "torch_ddp always": ["sync=always"],
          "torch_ddp local_sgd": ["sync=local_sgd", "sync.every=2"],
          "gradsync accumulate": ["sync=accumulate", "trainer.engine=gradsync"],
+         "torch_ddp diloco": ["sync=diloco", "sync.every=2"],
+         "torch_ddp amp_aware bf16": ["sync=amp_aware", "precision=bf16"],
+         "torch_ddp powersgd": ["sync=accumulate", "sync.compression=powersgd",
+                                "sync.powersgd_start_step=2"],
          "fsdp accumulate": ["sync=accumulate", "trainer.engine=fsdp"]}
+# PowerSGD is approximate: compiled, it ends 2.0e-2 relative from eager (every exact policy: 0).
+# Likely cause, not pinned down: its random projections go tensor by tensor in the order of
+# DDP's bucket, which DDP rebuilds from the order gradients arrive in (a graph at a time)
+TOLERANCE = {"torch_ddp powersgd": 0.05}
 # dynamo's graphs per rank: the first shapes, then one dynamic graph once a length changes
 # (evaluation runs the module eager: no graph for no_grad)
 GRAPHS = {"torch_ddp": 2, "gradsync": 2, "fsdp": 2}
@@ -61,7 +70,7 @@ def test_a_compiled_model_trains_what_the_eager_model_trains(runs, case):
     worst = max(float((compiled["params"][n] - p).abs().max() / p.abs().max())
                 for n, p in eager["params"].items())
     print(f"{case}: worst relative difference {worst:.3g}")
-    assert worst < 1e-5, worst  # AOT autograd's decompositions round differently
+    assert worst < TOLERANCE.get(case, 1e-5), worst  # measured: 0 (bitwise), powersgd aside
     assert sorted(compiled["params"]) == sorted(eager["params"])  # the module's own names
     assert "compile" not in e
 
