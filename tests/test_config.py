@@ -402,3 +402,11 @@ def test_a_component_returning_the_wrong_kind_of_object_is_refused(nodes, expect
     with pytest.raises(ConfigError) as err:
         validate(with_nodes(**nodes))
     assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_a_target_that_takes_no_keys_says_so_for_the_keys_left_from_another():
+    """model._target_ replaced on the command line: the MLP's keys stay in the node."""
+    with pytest.raises(ConfigError) as e:
+        validate(compose_plain(["model._target_=components_for_tests.not_a_model"]))
+    assert str(e.value) == ("model.hidden_sizes: unknown key for "
+                            "components_for_tests.not_a_model; it takes no keys")

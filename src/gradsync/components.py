@@ -231,14 +231,14 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
     params = parameters(target)
     runtime, extra = set(runtime), set(extra)
     accepted = sorted(n for n in params if n not in runtime)
+    keys = f"accepted keys: {', '.join(accepted)}" if accepted else "it takes no keys"
     args = config_args(node, extra)
     for key in args:
         if key in runtime:
             raise ConfigError(f"{group}.{key}: set by gradsync at run time, not in the config "
-                              f"(accepted keys: {', '.join(accepted)})")
+                              f"({keys})")
         if key not in params and not takes_any_keyword(target):
-            raise ConfigError(f"{group}.{key}: unknown key for {node['_target_']}; accepted "
-                              f"keys: {', '.join(accepted)}")
+            raise ConfigError(f"{group}.{key}: unknown key for {node['_target_']}; {keys}")
     for name, p in params.items():
         if p.default is p.empty and name not in args and name not in runtime \
                 and not node.get("_partial_"):
