@@ -168,11 +168,9 @@ class Bucket:
         return self.grads
 
 
-def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monkeypatch):
-    """Fault 4: sync.groups with two wire dtypes read the all-reduced buffers through
-    collect_all(...).then(...), which on nccl runs before the reduction lands: each rank kept
-    its own gradient / world size. Every rank holds the same gradients here, so the mean over
-    ranks is each gradient itself, bit for bit (bf16-exact values)."""
+def mixed_wire_bucket(monkeypatch):
+    """A Linear's gradients in one bucket, its bias on a bf16 wire (sync.groups), every
+    all-reduce an NcclLikeWork: (the works, the LayerSync, the bucket, its buffer before)."""
     model = torch.nn.Linear(4, 2)
     for q in model.parameters():
         q.grad = torch.arange(q.numel(), dtype=torch.float32).reshape(q.shape) / 4
@@ -187,7 +185,15 @@ def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monk
     layers = layer_sync.LayerSync([{"params": "bias", "comm_dtype": "bf16"}], None, CommCounts())
     layers.bind(model)
     bucket = Bucket(list(model.parameters()))
-    want = bucket.buffer().clone()
+    return works, layers, bucket, bucket.buffer().clone()
+
+
+def test_mixed_wire_groups_wait_on_each_work_before_reading_what_it_reduced(monkeypatch):
+    """Fault 4: sync.groups with two wire dtypes read the all-reduced buffers through
+    collect_all(...).then(...), which on nccl runs before the reduction lands: each rank kept
+    its own gradient / world size. Every rank holds the same gradients here, so the mean over
+    ranks is each gradient itself, bit for bit (bf16-exact values)."""
+    works, layers, bucket, want = mixed_wire_bucket(monkeypatch)
     out = layer_sync.grouped_allreduce(layers, bucket).wait()  # type: ignore[arg-type]
     assert len(works) == 2 and all(w.future.waited for w in works)  # fp32 and bf16: one work each
     assert out is bucket.buffer() and torch.equal(out, want)
@@ -198,21 +204,7 @@ def test_mixed_wire_groups_hand_ddp_a_future_chained_on_the_collectives_own(monk
     devices: on nccl it ran at once on the backward's compute stream, and its waits queued the
     rest of the backward behind each all-reduce. The future DDP gets must be a then() of the
     last work's own (CUDA) future, as torch's _allreduce_fut returns, and its value the mean."""
-    model = torch.nn.Linear(4, 2)
-    for q in model.parameters():
-        q.grad = torch.arange(q.numel(), dtype=torch.float32).reshape(q.shape) / 4
-    works: list[NcclLikeWork] = []
-
-    def all_reduce(t, op=None, group=None, async_op=False):
-        works.append(NcclLikeWork(t))
-        return works[-1]
-
-    monkeypatch.setattr(layer_sync.dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(layer_sync.dist, "get_world_size", lambda group=None: 2)
-    layers = layer_sync.LayerSync([{"params": "bias", "comm_dtype": "bf16"}], None, CommCounts())
-    layers.bind(model)
-    bucket = Bucket(list(model.parameters()))
-    want = bucket.buffer().clone()
+    works, layers, bucket, want = mixed_wire_bucket(monkeypatch)
     fut = layer_sync.grouped_allreduce(layers, bucket)  # type: ignore[arg-type]
     assert len(works) == 2
     assert [len(w.future.chained) for w in works] == [0, 1]
