@@ -40,6 +40,11 @@ SCHEMAS_BY_NAME: dict[str, type] = {
 } | {"Config": Config}
 
 
+# hydra/sweeper=optuna's class (a search: run/search.py); Hydra takes sweepers from
+# hydra_plugins only
+SEARCH_SWEEPER = "hydra_plugins.gradsync_search.OptunaSearch"
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="schema_config", node=Config)
@@ -63,7 +68,7 @@ def register_configs() -> None:
 
     @dataclass
     class SearchConf(OptunaSweeperConf):
-        _target_: str = "hydra_plugins.gradsync_search.OptunaSearch"
+        _target_: str = SEARCH_SWEEPER
         # the sweep summary's value(s) to optimise: eval_loss, or [eval_loss,allreduce_bytes]
         objective: Any = "eval_loss"
         direction: Any = "minimize"  # minimize | maximize, or a list: one per objective

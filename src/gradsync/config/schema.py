@@ -71,9 +71,8 @@ def check_compile(tr: TrainerConfig) -> None:
     """trainer.compile=true: an engine, backend, mode and bucket size torch.compile can run;
     false: no compile_* setting (it would do nothing)."""
     if not tr.compile:
-        for key, default in (("compile_backend", "inductor"), ("compile_mode", None),
-                             ("compile_dynamic", None)):
-            if getattr(tr, key) != default:
+        for key in ("compile_backend", "compile_mode", "compile_dynamic"):
+            if getattr(tr, key) != TrainerConfig.__dataclass_fields__[key].default:
                 raise ConfigError(f"trainer.{key}={getattr(tr, key)!r} is for trainer.compile="
                                   "true (it is false: nothing is compiled)")
         return

@@ -12,6 +12,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from gradsync.config.hydra import SEARCH_SWEEPER
 from gradsync.run import sweep
 from gradsync.run.ranks import is_rank0
 from gradsync.run.rundir import RunDirBusy
@@ -76,4 +77,4 @@ def _sweep_job(config: DictConfig) -> tuple[Path, int, Path, list[str]] | None:
 def _is_search(config: DictConfig) -> bool:
     """A search (run/search.py) may continue its study: its jobs' records stay."""
     target = str(config.hydra.sweeper.get("_target_", ""))
-    return target == "hydra_plugins.gradsync_search.OptunaSearch"
+    return target == SEARCH_SWEEPER
