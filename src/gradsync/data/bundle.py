@@ -29,7 +29,7 @@ from gradsync.components import (
     require,
     require_fits,
 )
-from gradsync.run.lifeline import bind_loader_worker
+from gradsync.core.lifeline import bind_loader_worker
 from gradsync.train.repro import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.run.ranks import is_rank0
+from gradsync.core.ranks import is_rank0
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.repro import config_hash, derive_seed, seed_rank
 
