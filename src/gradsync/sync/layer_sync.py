@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import CheckContext, ConfigError, require
+from gradsync.core.dtypes import DTYPES
 from gradsync.data.bundle import build_data
 from gradsync.models import build_on_meta
 from gradsync.sync.averaging import average_
@@ -43,7 +44,6 @@ from gradsync.sync.comm import (
     Traffic,
     allreduce_in,
 )
-from gradsync.train.precision import DTYPES
 
 REST = "rest"  # the parameters no rule matches
 # sync.groups as a policy receives it (a list from the config; the signature's default is ())

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, require
+from gradsync.core.dtypes import DTYPES
 from gradsync.sync.averaging import Anchor, plain_average
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import SharedSlots
-from gradsync.train.precision import DTYPES
 
 COMM_DTYPES = ("fp32", "bf16")
 
