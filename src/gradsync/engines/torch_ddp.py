@@ -25,7 +25,7 @@ from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
-from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
+from gradsync.sync.comm import CommCounts, Probe, counting_hook
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.torch_compat import ddp_buffer_sync
 from gradsync.train.memory import MemoryMeter, storage_bytes
@@ -125,7 +125,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     find_unused_parameters: bool = False,
                     trace: SyncTrace | None = None,
                     memory: MemoryMeter | None = None,
-                    probe: GradientProbe | None = None,
+                    probe: Probe | None = None,
                     sync_batchnorm: bool = False,
                     compile: Compile | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
