@@ -30,7 +30,7 @@ from gradsync.components import (
     require_fits,
 )
 from gradsync.core.lifeline import bind_loader_worker
-from gradsync.train.repro import derive_seed, seeded
+from gradsync.core.seeds import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 

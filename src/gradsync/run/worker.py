@@ -20,6 +20,7 @@ from gradsync.components import build
 from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.core.ranks import is_rank0
+from gradsync.core.seeds import seed_everything, seed_rank
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.compiled import Compile
@@ -44,12 +45,7 @@ from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import build_normalizer, resolve
 from gradsync.train.precision import build_precision
-from gradsync.train.repro import (
-    prepare_cuda_determinism,
-    seed_everything,
-    seed_rank,
-    set_deterministic,
-)
+from gradsync.train.repro import prepare_cuda_determinism, set_deterministic
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")
