@@ -140,9 +140,8 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int,
         return AdaptiveSchedule(cfg.scale, cfg.initial_accum_steps, cfg.min_accum_steps,
                                 cfg.max_accum_steps, cfg.every,
                                 world_size * micro_batch_size * units_per_sample)
-    per_window, rem = divmod(cfg.global_batch_size, world_size * micro_batch_size)
-    assert rem == 0 and per_window >= 1, "validated in config.validate"
-    return ConstantSchedule(per_window)
+    # divides exactly, at least once (GlobalBatchScheduleConfig.check)
+    return ConstantSchedule(cfg.global_batch_size // (world_size * micro_batch_size))
 
 
 @dataclass(frozen=True)
