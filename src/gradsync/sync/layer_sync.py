@@ -6,7 +6,7 @@ name: <label>}``:
 - ``every: K``: the group's gradients are never all-reduced: DDP leaves its parameters alone
   (``_set_params_and_buffers_to_ignore_for_model``) and every K windows they are averaged over
   ranks with the same mechanism as local SGD (``averaging.average_``, fp32), and once more when
-  the run ends. Optimizer state stays per rank (checkpoints keep each rank's, trainstate.py).
+  the run ends. Optimizer state stays per rank (checkpoints keep each rank's, train/state.py).
 
 - ``reduce_scatter: boundary|every`` and ``replica_all_reduce: boundary|every``: on a sharded
   engine (trainer.engine=fsdp or hsdp), how the group's units accumulate between synchronising
