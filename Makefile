@@ -32,9 +32,10 @@ test: install ## run the whole test suite (unit + multi-process gloo tests + rea
 test-fast: install ## the edit loop: unit tests and 2-rank cases on the pool, no job started (-m "not slow")
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-lint: install ## ruff and mypy
+lint: install ## ruff, mypy and import-linter (the layers: docs/architecture.md#layers)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 sweep: install ## multirun N=1,2,4,8 (experiment=accum_sweep); summary, plot in the sweep dir
 	$(BIN)/gradsync-train -m experiment=accum_sweep $(ARGS)
@@ -116,7 +117,8 @@ gpu-check-dry: gpu-wheels $(DRY_VENV)/.installed ## every step of gpu-check on t
 	$(DRY_VENV)/bin/python bench/gpu_check.py --dry-run --wheels $(WHEELS) $(GPU_CHECK_ARGS)
 
 clean: ## remove run outputs and caches (keeps .venv)
-	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf outputs/runs outputs/sweeps multirun .pytest_cache .mypy_cache .ruff_cache \
+	  .import_linter_cache
 	find . -name __pycache__ -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean ## also remove the virtual environments and the GPU wheelhouse

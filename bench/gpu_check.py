@@ -949,8 +949,8 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     import torch
 
     from gradsync.components import build
+    from gradsync.core.seeds import seed_everything
     from gradsync.run.main import compose_plain
-    from gradsync.train.repro import seed_everything
 
     cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])

@@ -235,7 +235,7 @@ def train_recording_steps(cfg: dict) -> dict:
 def own_gpu_refusal(gpus: list[str]) -> str | None:
     """devices.check_own_gpu on the default group, this rank's GPU UUID gpus[rank] (on cuda:0
     of each): its DeviceError's text, or None."""
-    from gradsync.run.devices import DeviceError, check_own_gpu
+    from gradsync.core.devices import DeviceError, check_own_gpu
 
     try:
         check_own_gpu(gpus[dist.get_rank()], 0)

@@ -41,7 +41,7 @@ def initial_model(cfg: dict) -> dict[str, torch.Tensor]:
     """The model every run of `cfg` starts from, as the worker builds it (the run seed)."""
     from gradsync.components import build
     from gradsync.config.schema import RunConfig
-    from gradsync.train.repro import seed_everything
+    from gradsync.core.seeds import seed_everything
 
     run_cfg = RunConfig.from_plain(cfg)
     seed_everything(run_cfg.seed)

@@ -16,10 +16,10 @@ import dist_cases
 from dist_cases import TARGETS
 from gradsync.components import build
 from gradsync.config.validate import ConfigError, validate
+from gradsync.core.dtypes import autocast_runs
 from gradsync.run.placement import Placement
 from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
-from gradsync.train.precision import autocast_runs
 from test_config import compose_plain
 from test_ddp_sync import synthetic_cfg
 
@@ -61,10 +61,10 @@ def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
     check_cuda (tests/test_slurm.py: bf16 refused below 8.0; tests/test_gpu.py on a GPU). The
     probe that runs an op is watched: on CPU ranks it decides (a probe that says no refuses
     the config), for nccl ranks it is never asked, and nothing initialises CUDA."""
-    from gradsync.train import precision
+    from gradsync.core import dtypes
 
     asked: list[tuple[str, str]] = []
-    probe = precision.autocast_runs
+    probe = dtypes.autocast_runs
 
     def watched(name: str, device_type: str) -> bool:
         asked.append((name, device_type))
@@ -73,7 +73,7 @@ def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
     def no_cuda() -> None:
         raise AssertionError("validate() initialised CUDA")
 
-    monkeypatch.setattr(precision, "autocast_runs", watched)
+    monkeypatch.setattr(dtypes, "autocast_runs", watched)
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
     monkeypatch.setattr(torch.cuda, "init", no_cuda)
     cfg = compose_plain(["precision=bf16", "sync=amp_aware"])
@@ -84,7 +84,7 @@ def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
     assert asked == []  # no op at all
 
     # the probe really decides on CPU ranks, and only there
-    monkeypatch.setattr(precision, "autocast_runs", lambda name, device_type: name != "bf16")
+    monkeypatch.setattr(dtypes, "autocast_runs", lambda name, device_type: name != "bf16")
     with pytest.raises(ConfigError, match=r"^precision.name='bf16' cannot run on cpu"):
         validate(cfg)
     assert validate(cfg, Placement("nccl", 2)).precision.name == "bf16"

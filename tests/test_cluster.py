@@ -25,10 +25,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import cli_environ
+from gradsync.core.ranks import job_rank
 from gradsync.run import slurm
 from gradsync.run.launch import adopt_submitit_ranks
 from gradsync.run.main import CONF_DIR
-from gradsync.run.ranks import job_rank
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAIN = ["-m", "gradsync.run.main"]

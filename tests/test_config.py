@@ -17,8 +17,9 @@ from gradsync.components import build, locate, parameters
 from gradsync.config.hydra import register_configs
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError, validate
+from gradsync.core.dtypes import DTYPES
 from gradsync.run.main import CONF_DIR, compose_plain
-from gradsync.train.precision import DTYPES, Precision
+from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
 
 register_configs()

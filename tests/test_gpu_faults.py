@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from gradsync.run.devices import WrongDevice, on_device
+from gradsync.core.devices import WrongDevice, on_device
 from gradsync.sync import layer_sync
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.local_sgd import DiLoCo, LocalSGD

@@ -15,8 +15,8 @@ import torch
 
 import dist_cases
 from cli_jobs import fake_scontrol
+from gradsync.core.devices import DeviceError, check_capability, cpu_threads, cuda_index
 from gradsync.run import slurm
-from gradsync.run.devices import DeviceError, check_capability, cpu_threads, cuda_index
 from gradsync.run.placement import launched_by
 from gradsync.run.summary import stopped
 from gradsync.train.state import to_cpu

@@ -113,22 +113,11 @@ def cwd_importable() -> None:
         sys.path.append(cwd)
 
 
-# Modules that moved into the packages (sync/, train/, data/): a ``_target_`` written with the
-# old module path still reaches the same callable.
-MOVED = {"gradsync.policies": "gradsync.sync.policies",
-         "gradsync.local_sgd": "gradsync.sync.local_sgd",
-         "gradsync.corpus": "gradsync.data.corpus",
-         "gradsync.lr_schedulers": "gradsync.train.lr_schedulers"}
-
-
 def locate(path: str, key: str = "_target_") -> Any:
     """The object named by a dotted path ``package.module.attr`` (attr may be nested)."""
     if not isinstance(path, str) or "." not in path:
         raise ConfigError(f"{key}={path!r} is not allowed: a dotted path "
                           "package.module.callable")
-    module, _, attr = path.rpartition(".")
-    if module in MOVED:
-        path = f"{MOVED[module]}.{attr}"
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])
@@ -178,9 +167,6 @@ def hints(target: Any) -> dict[str, Any]:
         return typing.get_type_hints(fn)
     except Exception:  # annotations that do not resolve here: no type check
         return {}
-
-
-_SCALARS = (bool, int, float, str)
 
 
 def accepts(hint: Any, value: Any) -> bool:

@@ -1,8 +1,9 @@
 """Hydra's side of the config: the schemas of the groups with a fixed shape in its ConfigStore
 (``schema/<group>/<option>``; their YAML files extend them and state only what differs, so a
 wrong type or an unknown key fails at composition), where the YAML files are, composition, and
-the overrides gradsync rewrites before Hydra reads them. Only this package and the entry point
-(run/main.py) import Hydra or OmegaConf.
+the overrides gradsync rewrites before Hydra reads them. Only this package and run/ (the entry
+point, its callbacks, the search, the summary's override parser) import Hydra or OmegaConf
+(make lint holds it: pyproject.toml [tool.importlinter]).
 """
 
 from __future__ import annotations

@@ -298,9 +298,9 @@ class PrecisionConfig:
 
     def check(self, device_type: str) -> None:
         """A precision autocast cannot run on the CPU is refused here, before the workers start
-        (on CUDA: by the GPUs' compute capability, run/main.py check_devices, never by running
+        (on CUDA: by the GPUs' compute capability, run/placement.py check_cuda, never by running
         an op here, which would put a CUDA context on GPU 0)."""
-        from gradsync.train.precision import autocast_runs  # torch: only when checked
+        from gradsync.core.dtypes import autocast_runs  # torch: only when checked
 
         check_types(self, "precision")
         require(self.name in PRECISIONS, "precision.name", f"one of {', '.join(PRECISIONS)}",

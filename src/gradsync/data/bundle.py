@@ -29,8 +29,8 @@ from gradsync.components import (
     require,
     require_fits,
 )
-from gradsync.run.lifeline import bind_loader_worker
-from gradsync.train.repro import derive_seed, seeded
+from gradsync.core.lifeline import bind_loader_worker
+from gradsync.core.seeds import derive_seed, seeded
 
 IGNORE_INDEX = -100  # target of padding positions: no loss, no token count
 

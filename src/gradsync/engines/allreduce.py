@@ -11,7 +11,7 @@ from torch import nn
 
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.averaging import float_state
-from gradsync.sync.comm import CommCounts, CountingState, GradientProbe
+from gradsync.sync.comm import CommCounts, CountingState, Probe
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 
@@ -26,7 +26,7 @@ def grads_to_none(policy: SyncPolicy, gradient_as_bucket_view: bool) -> bool:
 def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
                      world_size: int, allreduce: str, counts: CommCounts,
                      trace: SyncTrace | None = None,
-                     probe: GradientProbe | None = None) -> tuple[CountingState, str]:
+                     probe: Probe | None = None) -> tuple[CountingState, str]:
     """The counting hook's state around the policy's all-reduce, and the transport it takes:
     shared_memory or process_group. Collective (the shared-memory slots are mapped by every
     rank)."""

@@ -52,7 +52,7 @@ from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
-from gradsync.sync.comm import CommCounts, CountingState, GradientProbe, counting_hook, to_device
+from gradsync.sync.comm import CommCounts, CountingState, Probe, counting_hook, to_device
 from gradsync.sync.policy import SyncPolicy, decides_per_bucket
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
@@ -407,7 +407,7 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
                        find_unused_parameters: bool = False,
                        trace: SyncTrace | None = None,
                        memory: MemoryMeter | None = None,
-                       probe: GradientProbe | None = None,
+                       probe: Probe | None = None,
                        sync_batchnorm: bool = False,
                        compile: Compile | None = None) -> GradsyncDDP:
     """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce

@@ -25,8 +25,8 @@ from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
-from gradsync.sync.comm import CommCounts, GradientProbe, counting_hook
-from gradsync.sync.policy import SyncPolicy, decides_per_bucket
+from gradsync.sync.comm import CommCounts, Probe, counting_hook
+from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import ddp_buffer_sync
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
@@ -125,7 +125,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     find_unused_parameters: bool = False,
                     trace: SyncTrace | None = None,
                     memory: MemoryMeter | None = None,
-                    probe: GradientProbe | None = None,
+                    probe: Probe | None = None,
                     sync_batchnorm: bool = False,
                     compile: Compile | None = None) -> TorchDDP:
     """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
@@ -134,9 +134,6 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
     if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
         model = to_sync_batchnorm(model)
-    if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
-        raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
-                           "(sync_bucket): torch's DDP synchronises all buckets or none")
     ignored = policy.bind(model)
     if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -13,8 +13,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gradsync.config.hydra import SEARCH_SWEEPER
+from gradsync.core.ranks import is_rank0
 from gradsync.run import sweep
-from gradsync.run.ranks import is_rank0
 from gradsync.run.rundir import RunDirBusy
 
 

@@ -5,10 +5,53 @@ is trained and no run dir is made."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
 from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
-from gradsync.sync.layer_sync import meta_model, parameter_infos, parameter_table
+from gradsync.data.bundle import build_data
+from gradsync.models import build_on_meta
+from gradsync.sync.layer_sync import REST, ParamInfo, assign, parameter_infos, parse_rules
 
 INSPECT_PARAMS = "+inspect=params"
+
+
+def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
+               extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
+    """Build the data (for the model's sizes; once per process: build_data) and the model on
+    the meta device (no memory for the weights; on the CPU if the model cannot be built
+    there)."""
+    data = build_data(data_node, seed, tuple(extra))
+    return build_on_meta(model_node, data.sizes)
+
+
+def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:
+    """The +inspect=params table: every parameter's name, shape, bytes and rule, then the
+    groups' totals."""
+    rules = parse_rules(groups or [])
+    taken = assign(rules, [n for n, _, _ in infos])
+    rows = [("parameter", "shape", "bytes", "rule")]
+    totals: dict[str, list[int]] = {}
+    for name, shape, dtype in infos:
+        rule = taken[name]
+        label = REST if rule is None else rule.name
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        what = rule.describe(base) if rule else f"policy ({base} all-reduce)"
+        rows.append((name, str(list(shape)), str(nbytes), f"{label}: {what}"))
+        total = totals.setdefault(label, [0, 0])
+        total[0] += 1
+        total[1] += nbytes
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}"
+             for r in rows]
+    lines.append("")
+    for label, (count, nbytes) in totals.items():
+        lines.append(f"{label}: {count} tensors, {nbytes} bytes")
+    return "\n".join(lines)
+
 
 
 def parameters_table(cfg: RunConfig) -> str:

@@ -11,7 +11,7 @@ error file anyone could plant, nothing unpickled, nothing read from the store, w
 user can reach). A SIGTERM or SIGINT it receives goes to every worker (as SIGTERM), which finish
 the optimizer step, checkpoint and exit together (see faults.py); a second one kills them.
 
-Nothing outlives the launcher: every rank dies with it, however it ends (lifeline.py), and one
+Nothing outlives the launcher: every rank dies with it, however it ends (core/lifeline.py), and one
 that has not ended when the launcher returns or raises is killed first (Watch.close). Every
 rank holds the run dir's lock (rundir.py) for its whole life, inherited from the launcher (a
 forked rank has its descriptor; a spawned one gets it passed), so no other job starts in the
@@ -39,6 +39,8 @@ from typing import Any
 import torch.distributed as dist
 
 from gradsync.config.schema import RunConfig
+from gradsync.core.lifeline import ENV as LAUNCHER_ENV
+from gradsync.core.lifeline import bind_from_environment
 from gradsync.data.bundle import forget_built_data
 from gradsync.run.faults import (
     exit_now,
@@ -48,8 +50,6 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
-from gradsync.run.lifeline import ENV as LAUNCHER_ENV
-from gradsync.run.lifeline import bind_from_environment
 from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.run.worker import worker_main
@@ -237,7 +237,7 @@ def _adopt(passed: Any) -> Inherited:
 
 def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, port: int,
                report: Any, summary_to: Any, lock: Inherited) -> None:
-    """A spawned (or forked, start_method) rank. It dies with its launcher (lifeline.py: a
+    """A spawned (or forked, start_method) rank. It dies with its launcher (core/lifeline.py: a
     spawned one bound itself when it first imported gradsync, a forked one does here, first),
     and holds the run dir's `lock` until it ends. Its first error goes to the launcher through
     `report`, and it exits with code 1 (the traceback is in logs/rank<r>.log); rank 0 sends the
@@ -287,7 +287,7 @@ class Watch:
               lock: int | None = None) -> None:
         """Start the ranks (start_method), each with a pipe to report its error on (text, never
         pickled: no error file in a shared temporary dir), rank 0 with one more for the run's
-        summary (JSON); each with this launcher's pid in its environment (lifeline.py) and the
+        summary (JSON); each with this launcher's pid in its environment (core/lifeline.py) and the
         run dir's `lock`."""
         ctx: Any = multiprocessing.get_context(start_method(placement))
         os.environ[LAUNCHER_ENV] = str(os.getpid())

@@ -35,6 +35,7 @@ from gradsync.config.hydra import (
 )
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import EXTRA, RUNTIME, ConfigError, validate
+from gradsync.core.ranks import is_rank0
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -48,7 +49,6 @@ from gradsync.run.launch import (
     rank0_now,
 )
 from gradsync.run.placement import Placement, check_cuda, env_launched, place_job
-from gradsync.run.ranks import is_rank0
 from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.train.checkpoint import ResumeError, resolve_resume
 from gradsync.train.metrics import final_metrics, flat_hparams, write_hparams

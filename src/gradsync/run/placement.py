@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from gradsync.components import ConfigError
 from gradsync.config.schema import BACKENDS
-from gradsync.run.devices import DeviceError, check_capability, cuda_index, visible_gpus
+from gradsync.core.devices import DeviceError, check_capability, cuda_index, visible_gpus
 
 LAUNCHED_BY_GRADSYNC = "gradsync"  # this process starts the ranks itself (spawn or fork)
 

@@ -1,5 +1,5 @@
 """The search sweeper: Optuna through Hydra's own plugin (hydra-optuna-sweeper), for
-`gradsync-train -m hydra/sweeper=optuna ...` (conf/hydra/sweeper/optuna.yaml; docs/sweeps.md).
+`gradsync-train -m hydra/sweeper=optuna ...` (registered by config/hydra.py; docs/sweeps.md).
 
 It asks Optuna for trials, runs each as a job of the sweep (any launcher), and tells Optuna how
 it went: the objective(s) (hydra.sweeper.objective, names of the sweep summary's columns, e.g.

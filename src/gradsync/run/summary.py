@@ -20,8 +20,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from gradsync.core.devices import device_name
 from gradsync.run import slurm
-from gradsync.run.devices import device_name
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.metrics import peak_memory_mb, peak_rss_mb, write_json_atomic
 

@@ -294,9 +294,6 @@ def to_target(points: list[Point], target: float) -> dict[str, float] | None:
     return None
 
 
-TARGET_COLUMNS = tuple(f"{axis}_to_target" for axis in AXES)
-
-
 def table(jobs: list[Job], target: float | None = None,
           study: Study | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """One row per job: its overrides, swept values, status, final numbers (raw values) and,

@@ -18,12 +18,14 @@ import torch.distributed as dist
 
 from gradsync.components import build
 from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
+from gradsync.core.ranks import is_rank0
+from gradsync.core.seeds import seed_everything, seed_rank
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
 from gradsync.run import summary as run_summary
-from gradsync.run.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.run.faults import (
     PROCESS_FLAG,
     StopAgreement,
@@ -32,7 +34,6 @@ from gradsync.run.faults import (
     signal_name,
 )
 from gradsync.run.placement import Placement, of_process_group
-from gradsync.run.ranks import is_rank0
 from gradsync.run.slurm import task_has_own_cpus, watched_signals
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import as_policy
@@ -44,12 +45,7 @@ from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import build_normalizer, resolve
 from gradsync.train.precision import build_precision
-from gradsync.train.repro import (
-    prepare_cuda_determinism,
-    seed_everything,
-    seed_rank,
-    set_deterministic,
-)
+from gradsync.train.repro import prepare_cuda_determinism, set_deterministic
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")

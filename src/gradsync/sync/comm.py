@@ -5,9 +5,9 @@ end of one synchronising backward. Policies that want another all-reduce (low pr
 pass it as the inner hook and keep these counts.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -153,52 +153,18 @@ def allreduce_in(wire_dtype: torch.dtype | None) -> InnerHook:
     return InnerHook(COMPRESS_HOOKS[wire_dtype], None, wire_dtype)
 
 
-class GradientProbe:
-    """The norm of every parameter's gradient in one synchronising backward's buckets, before
-    the policy's all-reduce (this rank's own gradient, before compression, error feedback or a
-    low-precision cast) and after it (the reduced bucket the step applies). Armed by the loop
-    for the first synchronising backward of a window (train/noise_scale.py); disarmed by that
-    backward's last bucket. Norms of the gradients where they lie (no copy, no host sync),
-    kept per parameter in the model's order, so their sum does not depend on how DDP laid the
-    buckets out (it rebuilds them after the first iteration; a resumed run starts unbuilt)."""
+class Probe(Protocol):
+    """A measurement around each bucket's all-reduce of one synchronising backward (the noise
+    scale's GradientProbe, train/noise_scale.py): the counting hook asks it while it is armed
+    and disarms it after the backward's last bucket."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self.order = {id(q): i for i, q in enumerate(parameters)}
-        self.armed = False
-        self.fired = False  # a synchronising backward was measured since arm()
-        self.local: dict[int, torch.Tensor] = {}  # parameter index -> norm before the all-reduce
-        self.reduced: dict[int, torch.Tensor] = {}  # and after it
-
-    def arm(self) -> None:
-        self.armed, self.fired = True, False
-        self.local, self.reduced = {}, {}
+    armed: bool
 
     def before(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future[torch.Tensor]],
                                                           torch.Tensor]:
-        """Measure the bucket now; returns the callback that measures what the all-reduce
-        returns (the reduced bucket, laid out alike)."""
-        self.fired = True
-        buf = bucket.buffer()
-        spans = [(self.order[id(q)], int(g.storage_offset() - buf.storage_offset()), g.numel())
-                 for q, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]
-        self._norms(self.local, buf, spans)
-
-        def after(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            reduced = fut.value()
-            self._norms(self.reduced, reduced, spans)
-            return reduced
-
-        return after
-
-    @staticmethod
-    def _norms(into: dict[int, torch.Tensor], buf: torch.Tensor,
-               spans: list[tuple[int, int, int]]) -> None:
-        norms = torch._foreach_norm([buf[start:start + n] for _, start, n in spans])
-        into.update(zip((i for i, _, _ in spans), norms, strict=True))
-
-    @staticmethod
-    def in_order(norms: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        return [norms[i] for i in sorted(norms)]
+        """Measure the bucket before the all-reduce; returns the callback that measures what
+        the all-reduce returns."""
+        ...
 
 
 @dataclass
@@ -208,7 +174,7 @@ class CountingState:
     # trainer.trace_sync: records each bucket's all-reduce (engines/trace.py SyncTrace)
     trace: Any = None
     previous: Any = None  # the last bucket's future in this backward (inner.sequential)
-    probe: GradientProbe | None = None  # the noise scale's measurement (None: not measured)
+    probe: Probe | None = None  # the noise scale's measurement (None: not measured)
 
 
 def counting_hook(
@@ -254,7 +220,7 @@ def counting_hook(
 
 def install_counting_hook(ddp, inner: InnerHook | None = None,
                           counts: CommCounts | None = None,
-                          probe: GradientProbe | None = None) -> CommCounts:
+                          probe: Probe | None = None) -> CommCounts:
     """counts: counters that other all-reduces of the run (a policy's averaging) also fill;
     probe: where the noise scale's squared norms go (train/noise_scale.py)."""
     counts = counts if counts is not None else CommCounts()

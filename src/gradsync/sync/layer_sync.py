@@ -6,7 +6,7 @@ name: <label>}``:
 - ``every: K``: the group's gradients are never all-reduced: DDP leaves its parameters alone
   (``_set_params_and_buffers_to_ignore_for_model``) and every K windows they are averaged over
   ranks with the same mechanism as local SGD (``averaging.average_``, fp32), and once more when
-  the run ends. Optimizer state stays per rank (checkpoints keep each rank's, trainstate.py).
+  the run ends. Optimizer state stays per rank (checkpoints keep each rank's, train/state.py).
 
 - ``reduce_scatter: boundary|every`` and ``replica_all_reduce: boundary|every``: on a sharded
   engine (trainer.engine=fsdp or hsdp), how the group's units accumulate between synchronising
@@ -32,8 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import CheckContext, ConfigError, require
-from gradsync.data.bundle import build_data
-from gradsync.models import build_on_meta
+from gradsync.core.dtypes import DTYPES
 from gradsync.sync.averaging import average_
 from gradsync.sync.comm import (
     FLAVOURS,
@@ -43,7 +42,6 @@ from gradsync.sync.comm import (
     Traffic,
     allreduce_in,
 )
-from gradsync.train.precision import DTYPES
 
 REST = "rest"  # the parameters no rule matches
 # sync.groups as a policy receives it (a list from the config; the signature's default is ())
@@ -142,17 +140,9 @@ def check_every_rule_matches(rules: list[Rule], names: list[str]) -> None:
                           f"parameters, closest first: {shown}{more}")
 
 
-# A model's parameters as (name, shape, dtype): what the checks and +inspect=params look at.
+# A model's parameters as (name, shape, dtype): what the checks and +inspect=params look at
+# (run/inspect.py).
 ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
-
-
-def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
-               extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
-    """Build the data (for the model's sizes; once per process: build_data) and the model on
-    the meta device (no memory for the weights; on the CPU if the model cannot be built
-    there)."""
-    data = build_data(data_node, seed, tuple(extra))
-    return build_on_meta(model_node, data.sizes)
 
 
 def parameter_infos(model: nn.Module) -> list[ParamInfo]:
@@ -201,31 +191,6 @@ def check_groups(a: dict[str, Any], ctx: CheckContext, base: str) -> None:
 
 def wire_of(rule: Rule | None, base: torch.dtype | None) -> torch.dtype | None:
     return base if rule is None or rule.comm_dtype is None else DTYPES[rule.comm_dtype]
-
-
-def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:
-    """The +inspect=params table: every parameter's name, shape, bytes and rule, then the
-    groups' totals."""
-    rules = parse_rules(groups or [])
-    taken = assign(rules, [n for n, _, _ in infos])
-    rows = [("parameter", "shape", "bytes", "rule")]
-    totals: dict[str, list[int]] = {}
-    for name, shape, dtype in infos:
-        rule = taken[name]
-        label = REST if rule is None else rule.name
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        what = rule.describe(base) if rule else f"policy ({base} all-reduce)"
-        rows.append((name, str(list(shape)), str(nbytes), f"{label}: {what}"))
-        total = totals.setdefault(label, [0, 0])
-        total[0] += 1
-        total[1] += nbytes
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}"
-             for r in rows]
-    lines.append("")
-    for label, (count, nbytes) in totals.items():
-        lines.append(f"{label}: {count} tensors, {nbytes} bytes")
-    return "\n".join(lines)
 
 
 def sharded_sync(rules: list[Rule], names: Iterable[str], base: torch.dtype | None,

@@ -11,7 +11,7 @@ pseudo-gradient ``global - local`` over its parameters and floating-point buffer
 everywhere. The schedule counts windows, never a rank's applied steps: with fp16 each rank has its
 own GradScaler and skips its own overflowing steps, and the averaging still happens at the same
 window on every rank. Optimizer state stays per rank (as in torch's PostLocalSGDOptimizer,
-Accelerate's LocalSGD and torchft), which the checkpoint keeps per rank (trainstate.py).
+Accelerate's LocalSGD and torchft), which the checkpoint keeps per rank (train/state.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, require
+from gradsync.core.dtypes import DTYPES
 from gradsync.sync.averaging import Anchor, plain_average
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
 from gradsync.sync.shm_allreduce import SharedSlots
-from gradsync.train.precision import DTYPES
 
 COMM_DTYPES = ("fp32", "bf16")
 

@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 
 from gradsync.components import CheckContext, ConfigError, checks, require
+from gradsync.core.dtypes import DTYPES
 from gradsync.sync.comm import FLAVOURS, CommCounts, InnerHook, ShardedSync, allreduce_in
 from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
 from gradsync.sync.policy import OverflowCounts, SyncPolicy
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
-from gradsync.train.precision import DTYPES
 
 
 def last_micro_batch(micro_index: int, window_size: int) -> bool:

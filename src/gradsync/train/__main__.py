@@ -1,5 +1,5 @@
 """``python -m gradsync.train`` (as torchrun and srun call it): the gradsync-train entry point."""
 
-from gradsync.train import main
+from gradsync.run.main import main
 
 main()

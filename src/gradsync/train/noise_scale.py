@@ -12,17 +12,17 @@ and the simple noise scale B_simple = tr(Sigma) / |G|^2 is the ratio of exponent
 averages of the two (the ratio of averages, never the average of ratios: each window's |G|^2
 estimate is noisy and may be negative).
 
-Data-parallel training holds both batches at every synchronising window: each rank's own
-window gradient just before the all-reduce (the small batch, its real samples) and the
-all-reduced gradient just after (the big batch, the window's real samples over all ranks). The
-counting comm hook (sync/comm.py GradientProbe) takes the norm of every gradient in a bucket before
-the policy's all-reduce (before compression, error feedback, a low-precision cast) and after it:
-no extra forward or backward, no copy of the gradients. |G_small|^2 is the mean over ranks of
-the local squared norms; with ranks of unequal real sample counts b_r (an epoch's uneven last
-window) E[mean_r |g_r|^2] = |G|^2 + tr(Sigma) mean_r(1/b_r), so b is the harmonic mean of the
-b_r. The per-rank numbers travel in one small all-reduce that rides on the loss all-reduce of
-the next log point (StepLog.flush), or is made on its own where a decision needs the newest
-estimate (AdaScale: every window; the adaptive schedule: every `every` steps).
+Data-parallel training holds both batches at every synchronising window: each rank's own window
+gradient just before the all-reduce (the small batch, its real samples) and the all-reduced
+gradient just after (the big batch, the window's real samples over all ranks). The counting comm
+hook (sync/comm.py) runs this module's GradientProbe: the norm of every gradient in a bucket
+before the policy's all-reduce (before compression, error feedback, a low-precision cast) and
+after it: no extra forward or backward, no copy of the gradients. |G_small|^2 is the mean over
+ranks of the local squared norms; with ranks of unequal real sample counts b_r (an epoch's
+uneven last window) E[mean_r |g_r|^2] = |G|^2 + tr(Sigma) mean_r(1/b_r), so b is the harmonic
+mean of the b_r. The per-rank numbers travel in one small all-reduce that rides on the loss
+all-reduce of the next log point (StepLog.flush), or is made on its own where a decision needs
+the newest estimate (AdaScale: every window; the adaptive schedule: every `every` steps).
 
 Normalisation: the buckets hold the gradient of each rank's loss as the loop divides it (by
 global_real / W for samples, by a constant for tokens: train/normalize.py ``divisor``), times
@@ -41,7 +41,7 @@ at least 2 micro-batches.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.nn.utils import get_total_norm
 
 from gradsync.components import ConfigError
-from gradsync.sync.comm import GradientProbe, to_device
+from gradsync.sync.comm import to_device
 
 if TYPE_CHECKING:
     from gradsync.config.schema import RunConfig
@@ -157,6 +157,54 @@ def _columns(rows: list[list[Any]], device: torch.device) -> torch.Tensor:
             if isinstance(v, torch.Tensor):
                 out[i, j] = v
     return out
+
+
+class GradientProbe:
+    """The norm of every parameter's gradient in one synchronising backward's buckets, before
+    the policy's all-reduce (this rank's own gradient, before compression, error feedback or a
+    low-precision cast) and after it (the reduced bucket the step applies). Armed by the loop
+    for the first synchronising backward of a window (train/noise_scale.py); disarmed by that
+    backward's last bucket. Norms of the gradients where they lie (no copy, no host sync),
+    kept per parameter in the model's order, so their sum does not depend on how DDP laid the
+    buckets out (it rebuilds them after the first iteration; a resumed run starts unbuilt)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self.order = {id(q): i for i, q in enumerate(parameters)}
+        self.armed = False
+        self.fired = False  # a synchronising backward was measured since arm()
+        self.local: dict[int, torch.Tensor] = {}  # parameter index -> norm before the all-reduce
+        self.reduced: dict[int, torch.Tensor] = {}  # and after it
+
+    def arm(self) -> None:
+        self.armed, self.fired = True, False
+        self.local, self.reduced = {}, {}
+
+    def before(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future[torch.Tensor]],
+                                                          torch.Tensor]:
+        """Measure the bucket now; returns the callback that measures what the all-reduce
+        returns (the reduced bucket, laid out alike)."""
+        self.fired = True
+        buf = bucket.buffer()
+        spans = [(self.order[id(q)], int(g.storage_offset() - buf.storage_offset()), g.numel())
+                 for q, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]
+        self._norms(self.local, buf, spans)
+
+        def after(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            reduced = fut.value()
+            self._norms(self.reduced, reduced, spans)
+            return reduced
+
+        return after
+
+    @staticmethod
+    def _norms(into: dict[int, torch.Tensor], buf: torch.Tensor,
+               spans: list[tuple[int, int, int]]) -> None:
+        norms = torch._foreach_norm([buf[start:start + n] for _, start, n in spans])
+        into.update(zip((i for i, _, _ in spans), norms, strict=True))
+
+    @staticmethod
+    def in_order(norms: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [norms[i] for i in sorted(norms)]
 
 
 class NoiseScale:

@@ -1,23 +1,16 @@
-"""Reproducibility: seeds, deterministic algorithms, the config hash and run_info.json.
-
-Model initialisation draws from the run seed alone (identical on every rank and for every world
-size); everything a rank draws afterwards (dropout, say) comes from its own stream, derived from
-(seed, rank), so ranks never share random numbers by accident.
-"""
+"""Reproducibility: deterministic algorithms, the config hash and run_info.json (the seeds:
+core/seeds.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import platform
-import random
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,41 +19,6 @@ import numpy as np
 import torch
 
 from gradsync.train.metrics import write_json_atomic
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed mixed from integers (seed, rank, epoch...): neighbouring inputs give
-    unrelated streams, unlike seed + rank."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
-
-
-def seed_everything(seed: int) -> None:
-    """Python, NumPy and torch from the run seed: identical on every rank (model init)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Python's, NumPy's and torch's CPU streams seeded from `seed` inside, as they were after:
-    what is built inside draws the same wherever it is built (data, built by the config check
-    and by the workers)."""
-    states = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.default_generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-
-
-def seed_rank(seed: int, rank: int) -> None:
-    """Switch this rank to its own streams once the shared draws (model init) are done."""
-    seed_everything(derive_seed(seed, rank))
 
 
 def prepare_cuda_determinism(setting: bool | None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from gradsync.config.schema import (
     AdaptiveScheduleConfig,
@@ -16,8 +16,13 @@ from gradsync.config.schema import (
     ScheduleConfig,
 )
 
-if TYPE_CHECKING:
-    from gradsync.train.noise_scale import NoiseScale
+
+class MeasuredNoise(Protocol):
+    """The measured noise scale as a schedule reads it (train/noise_scale.py NoiseScale)."""
+
+    def current(self) -> dict[str, float]:
+        """Collective: the newest estimates (``noise_scale``: B_simple)."""
+        ...
 
 
 class Schedule(Protocol):
@@ -25,7 +30,7 @@ class Schedule(Protocol):
         """Micro-batches of the next window (an epoch's last window may hold fewer)."""
         ...
 
-    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+    def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         """After each optimizer step taken (step: steps taken so far), on every rank."""
         ...
 
@@ -45,7 +50,7 @@ class ConstantSchedule:
     def accum_steps(self, epoch: int) -> int:
         return self.steps
 
-    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+    def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         pass
 
     def sizes(self, max_epochs: int) -> list[int]:
@@ -66,7 +71,7 @@ class EpochwiseSchedule:
     def accum_steps(self, epoch: int) -> int:
         return self.steps[bisect.bisect_right(self.starts, epoch) - 1]
 
-    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+    def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         pass
 
     def sizes(self, max_epochs: int) -> list[int]:
@@ -102,7 +107,7 @@ class AdaptiveSchedule:
         n = self.highest if math.isinf(want) else math.floor(want + 0.5)
         return min(self.highest, max(self.lowest, n))
 
-    def after_step(self, step: int, noise: NoiseScale | None) -> None:
+    def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         if noise is None or step % self.every:
             return
         n = self.target(noise.current().get("noise_scale", math.nan))  # collective
@@ -135,9 +140,8 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int,
         return AdaptiveSchedule(cfg.scale, cfg.initial_accum_steps, cfg.min_accum_steps,
                                 cfg.max_accum_steps, cfg.every,
                                 world_size * micro_batch_size * units_per_sample)
-    per_window, rem = divmod(cfg.global_batch_size, world_size * micro_batch_size)
-    assert rem == 0 and per_window >= 1, "validated in config.validate"
-    return ConstantSchedule(per_window)
+    # divides exactly, at least once (GlobalBatchScheduleConfig.check)
+    return ConstantSchedule(cfg.global_batch_size // (world_size * micro_batch_size))
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gradsync.run.ranks import is_rank0
+from gradsync.core.ranks import is_rank0
 from gradsync.train import checkpoint, dcp_safe
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.run.ranks import is_rank0
+from gradsync.core.ranks import is_rank0
+from gradsync.core.seeds import derive_seed, seed_rank
 from gradsync.train.loop import Parts, Progress
-from gradsync.train.repro import config_hash, derive_seed, seed_rank
+from gradsync.train.repro import config_hash
 
 
 def to_cpu(tree: Any) -> Any:
