@@ -170,7 +170,6 @@ def run_training(cfg: RunConfig, run_dir: Path,
             checkpoint.write(out, ckpt_dir, tr.keep_checkpoints)
 
     p.checkpoint = save
-    p.after_window.append(p.engine.memory.after_window)  # the CPU's peak memory: train/memory.py
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     if p.engine.trace:  # the job process merges the ranks' files into trace.json
         p.engine.trace.open(run_dir / TRACE_DIR / f"rank{rank}.jsonl")
@@ -206,7 +205,6 @@ def run_training(cfg: RunConfig, run_dir: Path,
             elif is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
-            p.engine.memory.stop()  # a traced window the run ended in (train/memory.py)
             run_log.close()
     finally:
         if p.engine.trace:
