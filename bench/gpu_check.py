@@ -725,7 +725,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 
     from gradsync.config.schema import RunConfig
     from gradsync.config.validate import validate
-    from gradsync.data.bundle import epoch_batches
+    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
     from gradsync.run.worker import build_parts

@@ -29,7 +29,7 @@ def hot_path(precision: str) -> dict:
     torch.cuda.set_sync_debug_mode("error"): any wait for the GPU on the host raises."""
     from gradsync.config.schema import RunConfig
     from gradsync.config.validate import validate
-    from gradsync.data.bundle import epoch_batches
+    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
     from gradsync.run.worker import build_parts

@@ -16,7 +16,8 @@ import dist_cases
 import engine_cases
 from configs import plain_cfg
 from gradsync.components import build
-from gradsync.data.bundle import build_data, evaluate
+from gradsync.data.contract import build_data
+from gradsync.data.evaluation import evaluate
 from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.dist]

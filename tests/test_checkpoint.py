@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from configs import plain_cfg
 from gradsync.config.validate import ConfigError, validate
-from gradsync.data.bundle import epoch_batches, train_loader
+from gradsync.data.loader import epoch_batches, train_loader
 from gradsync.run.faults import StopAgreement, StopFlag
 from gradsync.train import checkpoint
 from gradsync.train.checkpoint import ResumeError, resolve_resume

@@ -69,21 +69,19 @@ def test_a_policy_needs_only_should_sync(pool2, tmp_path):
         assert torch.equal(own["params"][name], value), name
 
 
-def test_data_is_built_once_per_process_and_from_the_seed_alone():
-    """The config check builds the data and keeps it; a rank forked from the checking process
-    takes it; wherever it is built, it is the same data (the global streams seeded from the
-    run seed, the caller's left as they were)."""
-    from gradsync.data.bundle import build_data
+def test_data_is_built_from_the_seed_alone():
+    """No cache: the preflight, +inspect and every rank build the data each, and wherever it is
+    built it is the same data (the global streams seeded from the run seed, the caller's left
+    as they were)."""
+    from gradsync.data.contract import build_data
 
     node = {"_target_": "components_for_tests.data_from_the_global_stream",
             "micro_batch_size": 4}
     torch.manual_seed(123)
     checked = build_data(node, 7)
-    assert build_data(node, 7) is checked  # +inspect=params, the sync.groups check
-    assert build_data(node, 7, take=True) is checked  # the rank
     torch.manual_seed(999)
     state = torch.get_rng_state()
-    again = build_data(node, 7, take=True)  # taken: built anew
+    again = build_data(node, 7)  # the rank's: built anew
     assert again is not checked
     assert torch.equal(again.train.tensors[0], checked.train.tensors[0])
     assert torch.equal(torch.get_rng_state(), state)

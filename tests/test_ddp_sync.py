@@ -8,7 +8,7 @@ import torch
 import dist_cases
 from configs import plain_cfg
 from gradsync.config.schema import RunConfig
-from gradsync.data.bundle import mse_per_sample
+from gradsync.data.contract import mse_per_sample
 from gradsync.models import MLP
 from gradsync.run.worker import run_training
 

@@ -19,7 +19,8 @@ from configs import plain_cfg
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import ConfigError, validate
-from gradsync.data.bundle import IGNORE_INDEX, evaluate, pad_batch, token_loss_per_sample
+from gradsync.data.evaluation import evaluate
+from gradsync.data.tokens import IGNORE_INDEX, pad_batch, token_loss_per_sample
 from gradsync.models import Transformer
 from gradsync.run.main import CONF_DIR
 from gradsync.run.worker import run_training

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gradsync.config.schema import GlobalBatchScheduleConfig
-from gradsync.data.bundle import cross_entropy_per_sample, mse_per_sample, train_loader
+from gradsync.data.contract import cross_entropy_per_sample, mse_per_sample
+from gradsync.data.loader import train_loader
 from gradsync.sync.policies import AccumulateSync, AlwaysSync
 from gradsync.train.lr_schedulers import WarmupCosine, warmup_cosine
 from gradsync.train.schedules import (

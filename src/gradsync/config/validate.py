@@ -34,7 +34,7 @@ from gradsync.config.schema import (
     TOP_KEYS,
     RunConfig,
 )
-from gradsync.data.bundle import build_data, check_bundle
+from gradsync.data.contract import build_data, check_bundle
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
@@ -89,7 +89,7 @@ def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tu
 def check_components(plain: dict[str, Any], cfg: RunConfig,
                      world: int) -> tuple[nn.Module, SyncPolicy]:
     """Every component against its callable's signature and own checks, then against its
-    contract, built as a worker builds it: the data (built once per process: data/bundle.py
+    contract, built as a worker builds it: the data (data/contract.py
     build_data) is a DataBundle with the sizes it declares; every size the model needs is
     one the data provides; the model (built on the meta device: no memory for the weights) is
     an nn.Module that fits in this machine's memory; the optimizer factory returns an

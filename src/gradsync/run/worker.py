@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from gradsync.components import build
 from gradsync.config.schema import SHARDED_ENGINES, RunConfig
-from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
+from gradsync.data.contract import FirstBatchChecked, build_data
+from gradsync.data.evaluation import evaluate
+from gradsync.data.loader import train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
@@ -80,8 +82,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     memory = MemoryMeter(device)
     set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
-    # built by the config check when this rank was forked from it (or checked it itself)
-    data = build_data(cfg.data.node, seed, take=True)
+    data = build_data(cfg.data.node, seed)
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
                                    tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model.node, data.sizes).to(device)

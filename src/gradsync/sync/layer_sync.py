@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import CheckContext, ConfigError, require
-from gradsync.data.bundle import build_data
+from gradsync.data.contract import build_data
 from gradsync.models import build_on_meta
 from gradsync.sync.averaging import average_
 from gradsync.sync.comm import (
@@ -148,7 +148,7 @@ ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
 
 def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
                extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
-    """Build the data (for the model's sizes; once per process: build_data) and the model on
+    """Build the data (for the model's sizes: build_data) and the model on
     the meta device (no memory for the weights; on the CPU if the model cannot be built
     there)."""
     data = build_data(data_node, seed, tuple(extra))

@@ -35,7 +35,7 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.config.schema import TrainerConfig
-from gradsync.data.bundle import epoch_batches
+from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
 from gradsync.run.devices import on_device
 from gradsync.sync.comm import CommCounts
