@@ -724,10 +724,10 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     import torch
 
     from gradsync.config.schema import RunConfig
-    from gradsync.config.validate import validate
     from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.lr_scaling import ScaledLR
@@ -736,7 +736,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     cuda = device.type == "cuda"
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
                          "data=synthetic", "data.num_samples=2048", *with_accum(overrides)])
-    validate(cfg, Placement(TARGET.backend, 1))
+    preflight(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
     plan = plan_epoch(shard, p.micro_batch_size, ACCUM)
@@ -836,9 +836,9 @@ def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str)
     import torch.distributed as dist
 
     from gradsync.components import ConfigError
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import run_training
 
     TARGET.dry = dry
@@ -857,7 +857,7 @@ def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str)
                                *(["trainer.threads_per_worker=1"] if dry else []),
                                *MATRIX_BASE, *with_accum(overrides)])
         try:
-            cfg = validate(plain, Placement(backend, 2))
+            cfg = preflight(plain, Placement(backend, 2))
         except ConfigError as e:
             results[name] = {"refused": str(e).splitlines()[0]}
             continue

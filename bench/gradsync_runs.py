@@ -20,8 +20,8 @@ from gradsync.train.metrics import RunLog
 
 def config(accum: int, sync: str, overrides: list[str]) -> dict:
     """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
+    from gradsync.run.preflight import preflight
 
     workload = [
         f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",
@@ -34,7 +34,7 @@ def config(accum: int, sync: str, overrides: list[str]) -> dict:
         "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
     ]
     cfg = compose_plain(workload + overrides)
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 

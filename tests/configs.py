@@ -3,8 +3,8 @@ that are compared with runs through the command line."""
 
 from __future__ import annotations
 
-from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain  # registers the schemas
+from gradsync.run.preflight import preflight
 
 # 199 samples (prime), 2 ranks, micro 8: 100 positions and 13 micro-batches per rank and epoch
 # (the last one 4 positions, on rank 1 3 samples and the sampler's repeat), accum 3 -> windows
@@ -34,7 +34,7 @@ SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval"
 
 def plain_cfg(overrides: list[str]) -> dict:
     cfg = compose_plain(overrides)
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 

@@ -28,10 +28,10 @@ def hot_path(precision: str) -> dict:
     """The loop's windows (forward, backward, all-reduce, clip, step) under
     torch.cuda.set_sync_debug_mode("error"): any wait for the GPU on the host raises."""
     from gradsync.config.schema import RunConfig
-    from gradsync.config.validate import validate
     from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.schedules import Shard, plan_epoch
@@ -40,7 +40,7 @@ def hot_path(precision: str) -> dict:
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
                          "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
                          "schedule.accum_steps=2", "model.dropout=0.1"])
-    validate(cfg, Placement("nccl", 1))
+    preflight(cfg, Placement("nccl", 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
     plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(0))
@@ -130,12 +130,12 @@ def gpu_rank() -> None:
 
 
 def policy_cfg(policy: str) -> dict:
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
 
     cfg = compose_plain([*BASE, *POLICIES[policy]])
-    validate(cfg, Placement("nccl", 2))
+    preflight(cfg, Placement("nccl", 2))
     return cfg
 
 

@@ -70,14 +70,15 @@ def test_the_evaluated_model_is_the_saved_model(pool2, tmp_path, engine):
     (["model=mlp"], "nccl", "trainer.sync_batchnorm=true: the model (gradsync.models.MLP) has "
      "no BatchNorm layer to synchronise")])
 def test_sync_batchnorm_is_refused_where_it_cannot_run(extra, placement, says):
-    from gradsync.config.validate import ConfigError, validate
+    from gradsync.config.validate import ConfigError
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
 
     model = [] if extra == ["model=mlp"] else BATCHNORM
     cfg = compose_plain([*BATCHNORM[:5], *model[5:], *extra, "trainer.sync_batchnorm=true"])
     with pytest.raises(ConfigError) as e:
-        validate(cfg, Placement(placement, 2) if placement else None)
+        preflight(cfg, Placement(placement, 2) if placement else None)
     assert str(e.value) == says
 
 

@@ -16,7 +16,8 @@ import torch
 
 import dist_cases
 from configs import plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
@@ -102,7 +103,7 @@ def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
      "trainer.compile_mode='fastest' is not allowed: null or one of default")])
 def test_what_cannot_compile_is_one_line_before_any_worker(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(plain_cfg([*TOKENS, *COMPILED, *overrides]))
+        preflight(plain_cfg([*TOKENS, *COMPILED, *overrides]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
 
 

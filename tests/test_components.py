@@ -18,7 +18,7 @@ import dist_cases
 from components_for_tests import SyncLast
 from configs import SAME, losses, plain_cfg
 from conftest import REPO
-from gradsync.config.validate import validate
+from gradsync.run.preflight import preflight
 from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 
@@ -31,7 +31,7 @@ TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.
 def with_policy(target: str, extra: list[str] = (), **kwargs) -> dict:
     cfg = plain_cfg([*TINY, *extra])
     cfg["sync"] = {"_target_": target, **kwargs}
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 
@@ -129,7 +129,7 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     fails only at the final evaluation: both stop every rank at its first micro-batch."""
     cfg = plain_cfg([a for a in TINY if not a.startswith("data")])
     cfg["data"] = {"_target_": data, "micro_batch_size": 8}
-    validate(cfg)  # nothing to see before training: the bundle is a DataBundle
+    preflight(cfg)  # nothing to see before training: the bundle is a DataBundle
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "ContractError")
     for m in messages:
         assert m.startswith(expected), m

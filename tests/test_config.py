@@ -16,8 +16,9 @@ from torch.utils.data import default_collate
 from gradsync.components import build, locate, parameters
 from gradsync.config.hydra import register_configs
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import RUNTIME, ConfigError, validate
+from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.run.preflight import preflight
 from gradsync.train.precision import DTYPES, Precision
 from gradsync.train.schedules import build_schedule
 
@@ -50,7 +51,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     if group == "schedule" and option == "global_batch":
         overrides.append("schedule.global_batch_size=64")  # 2 ranks x micro 16 x 2
     cfg = compose_plain(overrides)
-    validate(cfg)
+    preflight(cfg)
     run = RunConfig.from_plain(cfg)
     small = {"num_samples": 64} if "num_samples" in cfg["data"] else {}
     data = build({**cfg["data"], **small}, {"seed": cfg["seed"]}, extra=("micro_batch_size",))
@@ -122,20 +123,20 @@ def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
 def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
     cfg = compose_plain(["schedule=global_batch", "schedule.global_batch_size=96",
                          "data.micro_batch_size=8", "trainer.devices=3"])
-    validate(cfg)
+    preflight(cfg)
     assert build_schedule(RunConfig.from_plain(cfg).schedule, 3, 8).accum_steps(0) == 4
     cfg["schedule"]["global_batch_size"] = 100
     with pytest.raises(ConfigError, match="schedule.global_batch_size.*3 x 8 = 24"):
-        validate(cfg)
+        preflight(cfg)
 
 
 def test_nccl_without_cuda_is_refused():
     cfg = compose_plain(["trainer.backend=nccl"])
     with pytest.raises(ConfigError, match="trainer.backend"):
-        validate(cfg)
+        preflight(cfg)
 
 
-# Refused by validate(), each with the one line the command line prints after "config error: ".
+# Refused by preflight(), each with the one line the command line prints after "config error: ".
 REFUSED = [
     (["schedule.accum_steps=0"], "schedule.accum_steps=0 is not allowed: an integer >= 1"),
     (["schedule.accum_steps=-3"], "schedule.accum_steps=-3 is not allowed"),
@@ -201,13 +202,13 @@ REFUSED = [
 @pytest.mark.parametrize("args,expected", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_bad_values_are_refused_naming_the_key(args, expected):
     with pytest.raises(ConfigError) as err:
-        validate(compose_plain(args))
+        preflight(compose_plain(args))
     assert str(err.value).startswith(expected), str(err.value)
 
 
 def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
     cfg = compose_plain(["schedule=epochwise", "schedule.accum_steps_by_epoch={0:2,3:8}"])
-    validate(cfg)
+    preflight(cfg)
     assert cfg["schedule"]["accum_steps_by_epoch"] == {0: 2, 3: 8}
     sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2, 16)
     assert [sched.accum_steps(e) for e in range(5)] == [2, 2, 2, 8, 8]
@@ -294,7 +295,7 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
     params = {}
     for fused in (None, True):
         cfg = compose_plain([f"optimizer={opt}"] + (["optimizer.fused=true"] if fused else []))
-        validate(cfg)
+        preflight(cfg)
         torch.manual_seed(0)
         model = MLP(8, 4, [16], "tanh")
         optim = build(cfg["optimizer"])(model.parameters())
@@ -400,13 +401,13 @@ WRONG_KIND = [
 @pytest.mark.parametrize("nodes,expected", WRONG_KIND, ids=[str(n) for n, _ in WRONG_KIND])
 def test_a_component_returning_the_wrong_kind_of_object_is_refused(nodes, expected):
     with pytest.raises(ConfigError) as err:
-        validate(with_nodes(**nodes))
+        preflight(with_nodes(**nodes))
     assert str(err.value).startswith(expected), str(err.value)
 
 
 def test_a_target_that_takes_no_keys_says_so_for_the_keys_left_from_another():
     """model._target_ replaced on the command line: the MLP's keys stay in the node."""
     with pytest.raises(ConfigError) as e:
-        validate(compose_plain(["model._target_=components_for_tests.not_a_model"]))
+        preflight(compose_plain(["model._target_=components_for_tests.not_a_model"]))
     assert str(e.value) == ("model.hidden_sizes: unknown key for "
                             "components_for_tests.not_a_model; it takes no keys")

@@ -14,8 +14,9 @@ import torch
 
 import engine_cases
 from configs import losses, plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.engines.trace import BucketRecord, MicroBatch, SyncTrace, table
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
@@ -179,7 +180,7 @@ def test_a_per_bucket_policy_needs_the_gradsync_engine():
     cfg["sync"] = PER_BUCKET
     with pytest.raises(ConfigError, match=r"decides per gradient bucket \(sync_bucket\), which "
                        "trainer.engine=torch_ddp cannot carry out: set trainer.engine=gradsync"):
-        validate(cfg)
+        preflight(cfg)
 
 
 @pytest.mark.slow
@@ -189,7 +190,7 @@ def test_a_bucket_kept_local_accumulates_into_the_next_synchronisation(runs, poo
     bucket kept local."""
     cfg = plain_cfg([*CASES["always"], "trainer.engine=gradsync", "trainer.trace_sync=true"])
     cfg["sync"] = PER_BUCKET
-    validate(cfg)
+    preflight(cfg)
     ours = pool2.run(engine_cases.traced_run, cfg, str(tmp_path))[0]
     theirs = runs("always", "torch_ddp")[0]
     for name, value in theirs["params"].items():
@@ -283,7 +284,7 @@ def examples(monkeypatch):
     def cfg(extra: list[str] = (), **nodes) -> dict:
         out = plain_cfg([*TINY, *extra])
         out.update(nodes)
-        validate(out)
+        preflight(out)
         return out
 
     return cfg

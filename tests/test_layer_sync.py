@@ -16,8 +16,9 @@ import torch
 
 import layer_sync_cases
 from configs import SAME, losses, plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 from resume_harness import Run
 
 pytestmark = [pytest.mark.dist]
@@ -187,7 +188,7 @@ def test_fp16_an_overflow_in_an_every_group_on_one_rank_skips_the_step_on_both(
 def test_bad_rules_are_one_line_config_errors(overrides, message):
     cfg = compose_plain([*RUN, *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -18,11 +18,12 @@ import dist_cases
 from configs import plain_cfg
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.data.evaluation import evaluate
 from gradsync.data.tokens import IGNORE_INDEX, pad_batch, token_loss_per_sample
 from gradsync.models import Transformer
 from gradsync.run.main import CONF_DIR
+from gradsync.run.preflight import preflight
 from gradsync.run.worker import run_training
 from gradsync.train import checkpoint
 from gradsync.train.normalize import resolve
@@ -271,7 +272,7 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
 
 def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     cfg = compose_plain(["experiment=lm_accum_sweep"])
-    validate(cfg)
+    preflight(cfg)
     assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
     assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
@@ -286,7 +287,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
         for normalize in params["loss.normalize"].split(","):
             job = compose_plain(["experiment=lm_accum_sweep", f"data.micro_batch_size={micro}",
                                  f"loss.normalize={normalize}"])
-            validate(job)
+            preflight(job)
             assert job["schedule"]["global_batch_size"] == 64
             accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2,
                                      int(micro)).accum_steps(0))
@@ -311,14 +312,14 @@ BAD_LM = [
 def test_bad_lm_config_is_refused_naming_the_key(overrides, message):
     cfg = compose_plain(["experiment=lm_accum_sweep", *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert str(e.value).startswith(message)
 
 
 def test_the_transformer_on_sample_data_is_refused():
     with pytest.raises(ConfigError, match=r"^model: gradsync.models.Transformer needs "
                        r"vocab_size, which data \(gradsync.data.digits\) does not provide"):
-        validate(compose_plain(["model=transformer"]))
+        preflight(compose_plain(["model=transformer"]))
 
 
 @pytest.mark.slow

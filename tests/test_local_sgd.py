@@ -13,8 +13,9 @@ import torch
 import dist_cases
 import local_sgd_cases
 from configs import plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
@@ -306,7 +307,7 @@ BAD = [
 def test_bad_options_are_one_line_config_errors(args, expected):
     cfg = compose_plain(args)
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 

@@ -16,8 +16,8 @@ import dist_cases
 import noise_cases
 from configs import EXACT_RESUME, SAME, losses, plain_cfg
 from gradsync.components import ConfigError
-from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
 from gradsync.train.lr_scaling import ScaledLR, adascale_gain
 from gradsync.train.noise_scale import NoiseScale
@@ -313,7 +313,7 @@ def test_scaled_lr_applies_the_factor_and_advances_the_schedule_by_the_clock():
 ])
 def test_bad_noise_scale_and_lr_scaling_options_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(compose_plain(overrides))
+        preflight(compose_plain(overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

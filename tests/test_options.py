@@ -24,8 +24,9 @@ from gradsync.config.schema import (
     PrecisionConfig,
     TrainerConfig,
 )
-from gradsync.config.validate import RUNTIME, validate
+from gradsync.config.validate import RUNTIME
 from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.run.preflight import preflight
 
 # The overrides that choose each option's component (a built-in YAML option) or schema.
 CHOICES = {"": [], "model=transformer": ["model=transformer", "data=synthetic_lm"],
@@ -241,7 +242,7 @@ def with_value(choice: str, key: str, value) -> dict:
 @pytest.mark.parametrize("choice,key", list(ENUMERATED), ids=[f"{c} {k}".strip()
                                                               for c, k in ENUMERATED])
 def test_every_option_refuses_nonsense_naming_itself(choice, key):
-    validate(composed(choice))  # the option's own default is fine
+    preflight(composed(choice))  # the option's own default is fine
     listed = OPTIONS.get((choice, key), [])
     nonsense = wrong_types(ENUMERATED[choice, key]) + (listed if isinstance(listed, list)
                                                        else [])
@@ -249,7 +250,7 @@ def test_every_option_refuses_nonsense_naming_itself(choice, key):
     accepted, unnamed = [], []
     for value in nonsense:
         try:
-            validate(with_value(choice, key, value))
+            preflight(with_value(choice, key, value))
         except ConfigError as e:
             if key.rpartition(".")[2] not in str(e):
                 unnamed.append((value, str(e)))

@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_dir
 
 from gradsync.components import ConfigError, describe
 from gradsync.config.hydra import register_configs, to_plain
-from gradsync.config.validate import validate
 from gradsync.data import corpus
 from gradsync.run import sweep
 from gradsync.run.main import CONF_DIR
+from gradsync.run.preflight import preflight
 
 register_configs()
 
@@ -93,7 +93,7 @@ def test_bad_corpus_options_are_one_line_config_errors(tmp_path):
             ("data.max_bytes=1", "both need at least one")):
         cfg = compose_plain(["experiment=policy_race", override])
         with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as e:
-            validate(cfg)
+            preflight(cfg)
         assert "\n" not in str(e.value)
 
 
@@ -217,7 +217,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
     targets = {}
     for name in swept:
         plain = compose_plain(["experiment=policy_race", f"+experiment/race={name}"])
-        validate(plain)
+        preflight(plain)
         targets[name] = plain["sync"]["_target_"].rsplit(".", 1)[1]
         first_n = plain["schedule"].get("accum_steps", plain["schedule"].get(
             "initial_accum_steps"))
@@ -246,7 +246,7 @@ def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budg
     seen = {}
     for name in swept:
         plain = compose_plain(["experiment=window_search", f"+experiment/window={name}"])
-        validate(plain)
+        preflight(plain)
         assert (plain["data"]["max_bytes"], plain["trainer"]["max_epochs"],
                 plain["optimizer"]["lr"], plain["trainer"]["noise_scale"]) == (600000, 2,
                                                                                0.005, True)

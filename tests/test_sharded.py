@@ -31,8 +31,8 @@ import sharded_cases
 from cli_jobs import kill_9_when, start_job
 from configs import SAME, losses, plain_cfg
 from gradsync.components import ConfigError
-from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint, dcp_safe
 
 pytestmark = [pytest.mark.dist]
@@ -406,7 +406,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_
 ])
 def test_combinations_that_cannot_hold_are_one_line_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(compose_plain(["model.hidden_sizes=[16]", *overrides]))
+        preflight(compose_plain(["model.hidden_sizes=[16]", *overrides]))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -462,7 +462,7 @@ def test_memory_vs_bytes_sweeps_every_variant_on_the_same_model_data_and_global_
     same, engines = set(), {}
     for name in swept:
         plain = compose_plain(["experiment=memory_vs_bytes", f"{key}={name}"])
-        validate(plain)
+        preflight(plain)
         t = plain["trainer"]
         engines[name] = (t["engine"], t["devices"], plain["sync"]["reduce_scatter"])
         same.add((plain["model"]["d_model"], plain["data"]["num_samples"],

@@ -134,7 +134,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
     if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
         model = to_sync_batchnorm(model)
-    if decides_per_bucket(policy):  # refused before the workers start (config/validate.py)
+    if decides_per_bucket(policy):  # refused before the workers start (run/preflight.py)
         raise RuntimeError(f"sync policy {policy.name!r} decides per gradient bucket "
                            "(sync_bucket): torch's DDP synchronises all buckets or none")
     ignored = policy.bind(model)

@@ -34,7 +34,7 @@ from gradsync.config.hydra import (
     to_plain,
 )
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import EXTRA, RUNTIME, ConfigError, validate
+from gradsync.config.validate import EXTRA, RUNTIME, ConfigError
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -48,6 +48,7 @@ from gradsync.run.launch import (
     rank0_now,
 )
 from gradsync.run.placement import Placement, check_cuda, env_launched, place_job
+from gradsync.run.preflight import preflight
 from gradsync.run.ranks import is_rank0
 from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.train.checkpoint import ResumeError, resolve_resume
@@ -89,7 +90,7 @@ def hydra_main(cfg: DictConfig) -> dict[str, Any]:
     staged = run_dir / hc.output_subdir if hc.output_subdir else None
     if _inspecting:
         try:
-            print(parameters_table(validate(to_plain(cfg))))
+            print(parameters_table(preflight(to_plain(cfg))))
         except Exception as e:  # raised inside Hydra's job, which would print its own line
             if _traceback_wanted():
                 raise
@@ -109,7 +110,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         plain = to_plain(composed)
         tr = plain["trainer"]
         placement = place_job(tr["backend"], tr["devices"])
-        cfg = validate(plain, placement)
+        cfg = preflight(plain, placement)
         if placement.backend == "nccl":
             check_cuda(placement, cfg.precision.name)
     except Exception as e:  # a component's own check may raise anything: still one line
