@@ -793,7 +793,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
 ENGINE_ARGS = {"hsdp": ["trainer.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
 MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
-               "data.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
+               "schedule.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
                "trainer.log_every=2",
                "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
 MATRIX_EXTRA = [("trace_sync", ["trainer.trace_sync=true"]),
@@ -954,7 +954,7 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
 
     cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])
-    data = build(cfg["data"], {"seed": cfg["seed"]}, extra=("micro_batch_size",))
+    data = build(cfg["data"], {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes).to(torch.device(device))
     return data, model, build(cfg["optimizer"])(model.parameters()), cfg
 
@@ -973,7 +973,7 @@ def handwritten_lm(epochs: int) -> dict[str, Any]:
 
     device = torch.device(TARGET.device, 0) if not TARGET.dry else torch.device("cpu")
     data, model, opt, cfg = lm_parts(device)
-    micro = cfg["data"]["micro_batch_size"]
+    micro = cfg["schedule"]["micro_batch_size"]
     accum = cfg["schedule"]["global_batch_size"] // micro
     loader = torch.utils.data.DataLoader(data.train, batch_size=micro, shuffle=True,
                                          collate_fn=data.collate, pin_memory=not TARGET.dry)

@@ -11,7 +11,7 @@ from gradsync.run.preflight import preflight
 # 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window; dropout (each rank
 # draws its own masks), AdamW, linear warm-up then cosine.
 EXACT_RESUME = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64",
-                "data.in_dim=8", "data.out_dim=2", "data.micro_batch_size=8",
+                "data.in_dim=8", "data.out_dim=2", "schedule.micro_batch_size=8",
                 "model.hidden_sizes=[16]", "model.activation=tanh", "model.dropout=0.1",
                 "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
                 "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",

@@ -100,7 +100,7 @@ def powersgd_rng() -> dict:
 # steps; every rank checks the replicas after each step (trainer.check_replicas=1: fault 2) and
 # the drift of local SGD / DiLoCo is max-reduced at every log step (fault 1).
 BASE = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64", "data.in_dim=8",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
         "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
         "trainer.max_epochs=2", "trainer.log_every=1", "trainer.checkpoint_every=2",
         "trainer.keep_checkpoints=50", "trainer.check_replicas=1", "trainer.deterministic=true",

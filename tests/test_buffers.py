@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.dist]
 # 203 samples (uneven over 2 ranks), micro-batches of 8, windows of 2, 2 epochs; eval data
 # 61 samples (rank 0 scores 31, rank 1 30)
 BATCHNORM = ["data=synthetic", "data.num_samples=203", "data.eval_samples=61", "data.in_dim=8",
-             "data.out_dim=2", "data.micro_batch_size=8",
+             "data.out_dim=2", "schedule.micro_batch_size=8",
              "model._target_=components_for_tests.BatchNormMLP", "~model.hidden_sizes",
              "~model.activation", "~model.dropout", "schedule.accum_steps=2",
              "optimizer.lr=0.05", "trainer.max_epochs=2", "trainer.checkpoint_every=5",

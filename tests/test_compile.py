@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.dist]
 
 # the transformer on 64 token sequences of 4 to 16 tokens: lengths vary between micro-batches
 TOKENS = ["model=transformer", "data=synthetic_lm", "data.num_samples=64", "data.eval_samples=16",
-          "data.max_len=16", "data.micro_batch_size=4", "schedule.accum_steps=2",
+          "data.max_len=16", "schedule.micro_batch_size=4", "schedule.accum_steps=2",
           "trainer.max_epochs=1", "optimizer.lr=0.1", "lr_scheduler.warmup_steps=1",
           "trainer.log_every=1", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
           "trainer.backend=gloo", "trainer.timeout_s=120", "seed=3"]

@@ -23,7 +23,7 @@ from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
 
@@ -75,8 +75,7 @@ def test_data_is_built_from_the_seed_alone():
     as they were)."""
     from gradsync.data.contract import build_data
 
-    node = {"_target_": "components_for_tests.data_from_the_global_stream",
-            "micro_batch_size": 4}
+    node = {"_target_": "components_for_tests.data_from_the_global_stream"}
     torch.manual_seed(123)
     checked = build_data(node, 7)
     torch.manual_seed(999)
@@ -128,7 +127,7 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     """A loss returning the micro-batch's mean trains, wrongly, and a per-sample `correct`
     fails only at the final evaluation: both stop every rank at its first micro-batch."""
     cfg = plain_cfg([a for a in TINY if not a.startswith("data")])
-    cfg["data"] = {"_target_": data, "micro_batch_size": 8}
+    cfg["data"] = {"_target_": data}
     preflight(cfg)  # nothing to see before training: the bundle is a DataBundle
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "ContractError")
     for m in messages:

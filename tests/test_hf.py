@@ -32,14 +32,14 @@ STEPS_PER_EPOCH = 6
 
 
 def two_ranks(engine: str) -> list[str]:  # 2 ranks x micro 4 x N 2
-    return [*HF, "data.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
+    return [*HF, "schedule.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
             f"trainer.engine={engine}"]
 
 
 @pytest.fixture(scope="module")
 def one_process(single_process_group, tmp_path_factory):
     """The same global windows in one process: micro 8 x N 2."""
-    cfg = plain_cfg([*HF, "data.micro_batch_size=8", "schedule.accum_steps=2",
+    cfg = plain_cfg([*HF, "schedule.micro_batch_size=8", "schedule.accum_steps=2",
                      "trainer.devices=1"])
     out = tmp_path_factory.mktemp("hf_one")
     summary = run_training(RunConfig.from_plain(cfg), out)

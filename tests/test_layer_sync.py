@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.dist]
 # 104 samples, 2 ranks, micro 8: 7 micro-batches per rank and epoch, accum 2 -> windows 2,2,2,1;
 # 3 epochs: 12 windows. MLP 8-16-2: 0.weight/0.bias (144 numbers), 2.weight/2.bias (34).
 RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+       "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
        "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
        "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
        "trainer.log_every=5", "trainer.checkpoint_every=0", "optimizer=sgd",

@@ -41,8 +41,8 @@ def test_stdlib_corpus_is_deterministic_and_splits_by_file_without_overlap():
     assert c.sha256 != a.sha256
     both = set(c.text) & set(a.text)
     assert both and all((f in c.eval_files) == (f in a.eval_files) for f in both)
-    info = describe({"_target_": "gradsync.data.corpus.stdlib_text", "micro_batch_size": 8,
-                     "max_bytes": 300_000, "eval_fraction": 0.2}, extra=("micro_batch_size",))
+    info = describe({"_target_": "gradsync.data.corpus.stdlib_text",
+                     "max_bytes": 300_000, "eval_fraction": 0.2})
     assert info == {"root": str(corpus.stdlib_root()), "sha256": a.sha256,
                     "bytes": a.train_bytes + a.eval_bytes, "train_bytes": a.train_bytes,
                     "eval_bytes": a.eval_bytes, "train_files": len(a.train_files),
@@ -223,7 +223,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
             "initial_accum_steps"))
         budgets.add((plain["data"]["_target_"], plain["model"]["_target_"],
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],
-                     plain["data"]["micro_batch_size"], first_n,
+                     plain["schedule"]["micro_batch_size"], first_n,
                      plain["seed"], plain["optimizer"]["lr"]))
     assert budgets == {("gradsync.data.corpus.stdlib_text", "gradsync.models.Transformer", 2, 2, 8,
                         4, 0, 0.005)}

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.dist]
 # "0" (15 x 8 + 15: padded to 16 rows on 2 shards), "2" (12 x 15 + 12) and the root (the output
 # layer "4", 2 x 12 + 2).
 MLP = ["data=synthetic", "data.num_samples=199", "data.eval_samples=31", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[15,12]",
+       "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[15,12]",
        "model.activation=tanh", "optimizer=adamw", "optimizer.lr=0.01",
        "schedule=global_batch", "schedule.global_batch_size=48", "lr_scheduler.warmup_steps=2",
        "trainer.max_epochs=1",
@@ -60,7 +60,7 @@ PADDED = [16 * 8 + 16, 12 * 15 + 12, 2 * 12 + 2]  # per unit on 2 shards: 144, 1
 # normalise into steps of size lr, different for every summation order
 LM = ["model=transformer", "model.d_model=16", "model.mlp_ratio=2", "model.n_layers=2",
       "data=synthetic_lm", "data.num_samples=53", "data.eval_samples=16", "data.vocab_size=16",
-      "data.min_len=2", "data.max_len=24", "data.micro_batch_size=4", "optimizer=sgd",
+      "data.min_len=2", "data.max_len=24", "schedule.micro_batch_size=4", "optimizer=sgd",
       "optimizer.lr=0.3", "optimizer.momentum=0.9", "schedule.accum_steps=2",
       "loss.normalize=tokens",
       "lr_scheduler=none", "trainer.max_epochs=1", "trainer.threads_per_worker=1",

@@ -64,11 +64,11 @@ def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
 
 def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
     cfg = compose_with_hydra(["experiment=fixed_global_batch"])
-    assert dict(cfg.hydra.sweeper.params) == {"data.micro_batch_size": "16,32,64"}
+    assert dict(cfg.hydra.sweeper.params) == {"schedule.micro_batch_size": "16,32,64"}
     ns = []
     for micro in (16, 32, 64):
         plain = to_plain(compose_with_hydra(["experiment=fixed_global_batch",
-                                             f"data.micro_batch_size={micro}"], False))
+                                             f"schedule.micro_batch_size={micro}"], False))
         preflight(plain)
         schedule = build_schedule(RunConfig.from_plain(plain).schedule,
                                   plain["trainer"]["devices"], micro)

@@ -15,7 +15,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
 from gradsync.config import validate
 from gradsync.config.hydra import compose_command_line, node_of
-from gradsync.config.validate import RUNTIME, runtime_arguments
+from gradsync.config.validate import RUNTIME, renamed, runtime_arguments
 
 E = TypeVar("E", bound=BaseException)
 
@@ -51,6 +51,8 @@ def one_line(exc: BaseException, argv: Sequence[str] = (),
     key = getattr(oc, "full_key", None)
     if oc is not None and key:
         if isinstance(oc, (ConfigKeyError, ConfigAttributeError)):
+            if renamed(key):
+                return renamed(key) or key
             kind = getattr(oc, "object_type", None)
             if kind is dict and key.split(".")[0] in RUNTIME:
                 return unknown_component_key(key, argv, app)

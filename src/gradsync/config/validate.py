@@ -13,7 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from gradsync.components import ConfigError, accepts, locate, require
-from gradsync.config.schema import COMPONENTS, DATA_EXTRA, SCHEMA_GROUPS, TOP_KEYS, RunConfig
+from gradsync.config.schema import COMPONENTS, SCHEMA_GROUPS, TOP_KEYS, RunConfig
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
 
@@ -41,7 +41,16 @@ def check_known_keys(cfg: dict[str, Any]) -> None:
 DATA_SIZES = ("in_dim", "out_dim", "vocab_size", "max_len")
 RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size", "counts"),
            "optimizer": ("params",), "lr_scheduler": ("optimizer", "total_steps")}
-EXTRA = {"data": DATA_EXTRA}  # keys of a node that the loop reads, not the target
+
+# Options renamed: the old key answers with one line naming the new one (config/errors.py for an
+# override Hydra refuses, check_shape for a key a config file or a `+key=` still sets).
+RENAMED = {"data.micro_batch_size": "schedule.micro_batch_size"}
+
+
+def renamed(key: str) -> str | None:
+    """The one line an old key answers with; None for a key that was never renamed."""
+    new = RENAMED.get(key.lstrip("+~"))
+    return None if new is None else f"{key.lstrip('+~')} is now {new}: set {new} instead"
 
 
 def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tuple[str, ...]:
@@ -60,14 +69,19 @@ def first_line(text: str) -> str:
 
 
 def check_shape(plain: dict[str, Any]) -> None:
-    """The config's keys: none unknown, each component a _target_, the micro-batch size."""
+    """The config's keys: none renamed or unknown, each component a _target_, the micro-batch
+    size."""
+    for old in RENAMED:
+        group, _, key = old.partition(".")
+        if isinstance(plain.get(group), dict) and key in plain[group]:
+            raise ConfigError(renamed(old) or old)
     check_known_keys(plain)
     for group in COMPONENTS:
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
                 "a _target_ (package.module.callable) and its keyword arguments", plain[group])
-    data = plain["data"]
-    require(accepts(int, data.get("micro_batch_size")) and data["micro_batch_size"] >= 1,
-            "data.micro_batch_size", "an integer >= 1", data.get("micro_batch_size"))
+    micro = plain["schedule"].get("micro_batch_size")
+    require(accepts(int, micro) and micro >= 1, "schedule.micro_batch_size", "an integer >= 1",
+            micro)
 
 
 def validate(plain: dict[str, Any], world_size: int, device_type: str) -> RunConfig:

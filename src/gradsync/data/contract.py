@@ -39,8 +39,8 @@ class DataBundle:
 
 
 class DataBuilder(Protocol):
-    """A callable returning a DataBundle; it receives its config's keyword arguments (all but
-    ``micro_batch_size``, which the loader uses) and ``seed`` if it names it. Optional
+    """A callable returning a DataBundle; it receives its config's keyword arguments and
+    ``seed`` if it names it. Optional
     attributes, set with ``@provides``: the sizes it will put in ``DataBundle.sizes`` and its
     unit, so a config can be checked against the model before any worker starts."""
 
@@ -58,13 +58,12 @@ def provides(*sizes: str, unit: str = "samples") -> Callable[[Any], Any]:
 UNITS = ("samples", "tokens")
 
 
-def build_data(node: dict[str, Any], seed: int,
-               extra: tuple[str, ...] = ("micro_batch_size",)) -> DataBundle:
+def build_data(node: dict[str, Any], seed: int) -> DataBundle:
     """The data a data node builds with the run seed, with the global random streams seeded
     from it (and restored after), so a builder that draws from them builds the same data
     wherever it is built (the run's preflight, each rank, +inspect)."""
     with seeded(seed):
-        return build(node, {"seed": seed}, extra=extra)
+        return build(node, {"seed": seed})
 
 
 def check_bundle(bundle: Any, builder: Any, target: str) -> DataBundle:

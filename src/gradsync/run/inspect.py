@@ -5,7 +5,7 @@ is trained and no run dir is made."""
 
 from __future__ import annotations
 
-from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.sync.layer_sync import meta_model, parameter_infos, parameter_table
 
 INSPECT_PARAMS = "+inspect=params"
@@ -13,7 +13,7 @@ INSPECT_PARAMS = "+inspect=params"
 
 def parameters_table(cfg: RunConfig) -> str:
     sync = cfg.sync.args
-    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
+    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed)
     table = parameter_table(parameter_infos(model), sync.get("groups"),
                             sync.get("comm_dtype", "fp32"))
     if cfg.trainer.engine not in SHARDED_ENGINES:

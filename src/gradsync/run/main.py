@@ -34,7 +34,7 @@ from gradsync.config.hydra import (
     to_plain,
 )
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import EXTRA, RUNTIME, ConfigError
+from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -234,7 +234,7 @@ def _write_run_info(cfg: RunConfig, placement: Placement, run_dir: Path) -> None
                     resumed)
     info["launched_by"] = placement.launched_by
     for group in RUNTIME:  # what a component says of itself: e.g. a corpus's SHA-256
-        described = describe(plain[group], RUNTIME[group], EXTRA.get(group, ()))
+        described = describe(plain[group], RUNTIME[group])
         if described is not None:
             info[group] = described
     write_run_info(run_dir / "run_info.json", info)

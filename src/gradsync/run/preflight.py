@@ -25,7 +25,7 @@ from gradsync.components import (
     require,
     require_fits,
 )
-from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.config.validate import DATA_SIZES, RUNTIME, check_shape, first_line, validate
 from gradsync.data.contract import build_data, check_bundle
 from gradsync.models import build_on_meta
@@ -71,9 +71,9 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     ctx = CheckContext("", world, cfg.precision.name, provided={
         "allreduce": cfg.trainer.allreduce,
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
-    builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"), DATA_EXTRA)
+    builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"))
     data = check_bundle(built("data", cfg.data.target,
-                              lambda: build_data(data_node, cfg.seed, DATA_EXTRA)),
+                              lambda: build_data(data_node, cfg.seed)),
                         builder, cfg.data.target)
     check_sizes(model_node, cfg.data.target, data.sizes)
     check("model", model_node, tuple(data.sizes),

@@ -146,12 +146,11 @@ def check_every_rule_matches(rules: list[Rule], names: list[str]) -> None:
 ParamInfo = tuple[str, tuple[int, ...], torch.dtype]
 
 
-def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
-               extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
+def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int) -> nn.Module:
     """Build the data (for the model's sizes: build_data) and the model on
     the meta device (no memory for the weights; on the CPU if the model cannot be built
     there)."""
-    data = build_data(data_node, seed, tuple(extra))
+    data = build_data(data_node, seed)
     return build_on_meta(model_node, data.sizes)
 
 
