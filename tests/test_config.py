@@ -432,3 +432,17 @@ def test_a_data_node_holding_the_micro_batch_is_refused_but_a_recorded_one_is_re
     run = RunConfig.from_plain(old)
     assert run.micro_batch_size == 32 and "micro_batch_size" not in run.data.args
     assert run.to_plain()["schedule"]["micro_batch_size"] == 32
+
+
+def test_the_config_check_builds_nothing_and_the_preflight_builds_every_part():
+    """config/validate.py checks the config's own values; a data target returning the wrong
+    kind passes it, and the run's preflight (run/preflight.py) builds it and refuses it."""
+    from gradsync.config.validate import validate
+
+    cfg = with_nodes(data={"_target_": "components_for_tests.not_data"})
+    run = validate(cfg, 2, "cpu")
+    assert (run.data.target, run.micro_batch_size, run.schedule.accum_steps) == (
+        "components_for_tests.not_data", 16, 4)
+    with pytest.raises(ConfigError, match=r"^data \(components_for_tests.not_data\): returned a "
+                                          r"dict, which is no gradsync.data.DataBundle"):
+        preflight(cfg)
