@@ -724,10 +724,10 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     import torch
 
     from gradsync.config.schema import RunConfig
-    from gradsync.config.validate import validate
-    from gradsync.data.bundle import epoch_batches
+    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.lr_scaling import ScaledLR
@@ -736,7 +736,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     cuda = device.type == "cuda"
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
                          "data=synthetic", "data.num_samples=2048", *with_accum(overrides)])
-    validate(cfg, Placement(TARGET.backend, 1))
+    preflight(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
     plan = plan_epoch(shard, p.micro_batch_size, ACCUM)
@@ -793,7 +793,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
 ENGINE_ARGS = {"hsdp": ["trainer.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
 MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
-               "data.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
+               "schedule.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
                "trainer.log_every=2",
                "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
 MATRIX_EXTRA = [("trace_sync", ["trainer.trace_sync=true"]),
@@ -836,9 +836,9 @@ def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str)
     import torch.distributed as dist
 
     from gradsync.components import ConfigError
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import run_training
 
     TARGET.dry = dry
@@ -857,7 +857,7 @@ def matrix_rank(rank: int, port: int, path: str, dry: bool, gpus: int, out: str)
                                *(["trainer.threads_per_worker=1"] if dry else []),
                                *MATRIX_BASE, *with_accum(overrides)])
         try:
-            cfg = validate(plain, Placement(backend, 2))
+            cfg = preflight(plain, Placement(backend, 2))
         except ConfigError as e:
             results[name] = {"refused": str(e).splitlines()[0]}
             continue
@@ -954,7 +954,7 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
 
     cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])
-    data = build(cfg["data"], {"seed": cfg["seed"]}, extra=("micro_batch_size",))
+    data = build(cfg["data"], {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes).to(torch.device(device))
     return data, model, build(cfg["optimizer"])(model.parameters()), cfg
 
@@ -973,7 +973,7 @@ def handwritten_lm(epochs: int) -> dict[str, Any]:
 
     device = torch.device(TARGET.device, 0) if not TARGET.dry else torch.device("cpu")
     data, model, opt, cfg = lm_parts(device)
-    micro = cfg["data"]["micro_batch_size"]
+    micro = cfg["schedule"]["micro_batch_size"]
     accum = cfg["schedule"]["global_batch_size"] // micro
     loader = torch.utils.data.DataLoader(data.train, batch_size=micro, shuffle=True,
                                          collate_fn=data.collate, pin_memory=not TARGET.dry)

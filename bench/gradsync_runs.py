@@ -20,21 +20,21 @@ from gradsync.train.metrics import RunLog
 
 def config(accum: int, sync: str, overrides: list[str]) -> dict:
     """The workload as a gradsync config, composed by Hydra exactly as the command line would."""
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
+    from gradsync.run.preflight import preflight
 
     workload = [
         f"seed={w.SEED}", "data=synthetic", f"data.num_samples={w.SAMPLES}",
         f"data.eval_samples={w.DATA_CFG['eval_samples']}", f"data.in_dim={w.IN_DIM}",
         f"data.out_dim={w.OUT_DIM}", f"data.noise={w.DATA_CFG['noise']}",
-        f"data.micro_batch_size={w.MICRO}", "model=mlp", f"model.hidden_sizes={w.HIDDEN}",
+        f"schedule.micro_batch_size={w.MICRO}", "model=mlp", f"model.hidden_sizes={w.HIDDEN}",
         "model.activation=relu", "optimizer=sgd", f"optimizer.lr={w.LR}",
         f"optimizer.momentum={w.MOMENTUM}", "lr_scheduler=none",
         f"schedule.accum_steps={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
         "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
     ]
     cfg = compose_plain(workload + overrides)
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from gradsync.data.bundle import synthetic
+from gradsync.data.synthetic import synthetic
 from gradsync.models import MLP
 
 SEED = 0

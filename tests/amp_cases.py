@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from dist_cases import policy as make_policy
 from dist_cases import tiny_model, window_data
 from gradsync.config.schema import RunConfig
-from gradsync.data.bundle import mse_per_sample
+from gradsync.data.contract import mse_per_sample
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.run.worker import build_parts
 from gradsync.sync.comm import install_counting_hook

@@ -156,7 +156,7 @@ class SyncFirstOnly:
 def digits_without_eval(test_fraction: float = 0.2, split_seed: int = 0):
     """No held-out samples: the final evaluation would divide by zero."""
     from gradsync.data import digits
-    from gradsync.data.bundle import TokenSequences
+    from gradsync.data.tokens import TokenSequences
 
     return replace(digits(test_fraction, split_seed), eval=TokenSequences([]))
 

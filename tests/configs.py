@@ -3,15 +3,15 @@ that are compared with runs through the command line."""
 
 from __future__ import annotations
 
-from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain  # registers the schemas
+from gradsync.run.preflight import preflight
 
 # 199 samples (prime), 2 ranks, micro 8: 100 positions and 13 micro-batches per rank and epoch
 # (the last one 4 positions, on rank 1 3 samples and the sampler's repeat), accum 3 -> windows
 # 3,3,3,3,1: 5 optimizer steps per epoch, the last one a partial window; dropout (each rank
 # draws its own masks), AdamW, linear warm-up then cosine.
 EXACT_RESUME = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64",
-                "data.in_dim=8", "data.out_dim=2", "data.micro_batch_size=8",
+                "data.in_dim=8", "data.out_dim=2", "schedule.micro_batch_size=8",
                 "model.hidden_sizes=[16]", "model.activation=tanh", "model.dropout=0.1",
                 "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
                 "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",
@@ -34,7 +34,7 @@ SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval"
 
 def plain_cfg(overrides: list[str]) -> dict:
     cfg = compose_plain(overrides)
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 

@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
-from gradsync.data.bundle import mse_per_sample, pad_batch, token_loss_per_sample
+from gradsync.data.contract import mse_per_sample
+from gradsync.data.tokens import pad_batch, token_loss_per_sample
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.models import MLP, Transformer
 from gradsync.run import summary as run_summary

@@ -28,10 +28,10 @@ def hot_path(precision: str) -> dict:
     """The loop's windows (forward, backward, all-reduce, clip, step) under
     torch.cuda.set_sync_debug_mode("error"): any wait for the GPU on the host raises."""
     from gradsync.config.schema import RunConfig
-    from gradsync.config.validate import validate
-    from gradsync.data.bundle import epoch_batches
+    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.schedules import Shard, plan_epoch
@@ -40,7 +40,7 @@ def hot_path(precision: str) -> dict:
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
                          "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
                          "schedule.accum_steps=2", "model.dropout=0.1"])
-    validate(cfg, Placement("nccl", 1))
+    preflight(cfg, Placement("nccl", 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
     plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(0))
@@ -100,7 +100,7 @@ def powersgd_rng() -> dict:
 # steps; every rank checks the replicas after each step (trainer.check_replicas=1: fault 2) and
 # the drift of local SGD / DiLoCo is max-reduced at every log step (fault 1).
 BASE = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64", "data.in_dim=8",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
         "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
         "trainer.max_epochs=2", "trainer.log_every=1", "trainer.checkpoint_every=2",
         "trainer.keep_checkpoints=50", "trainer.check_replicas=1", "trainer.deterministic=true",
@@ -130,12 +130,12 @@ def gpu_rank() -> None:
 
 
 def policy_cfg(policy: str) -> dict:
-    from gradsync.config.validate import validate
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
 
     cfg = compose_plain([*BASE, *POLICIES[policy]])
-    validate(cfg, Placement("nccl", 2))
+    preflight(cfg, Placement("nccl", 2))
     return cfg
 
 

@@ -13,13 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from dist_cases import lm_window_batches, policy, tiny_lm, tiny_model, window_data
-from gradsync.data.bundle import (
-    IGNORE_INDEX,
-    mse_per_sample,
-    pad_batch,
-    synthetic,
-    token_loss_per_sample,
-)
+from gradsync.data.contract import mse_per_sample
+from gradsync.data.synthetic import synthetic
+from gradsync.data.tokens import IGNORE_INDEX, pad_batch, token_loss_per_sample
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.models import MLP
 from gradsync.sync.comm import install_counting_hook

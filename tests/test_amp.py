@@ -15,9 +15,10 @@ import amp_cases
 import dist_cases
 from dist_cases import TARGETS
 from gradsync.components import build
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.core.dtypes import autocast_runs
 from gradsync.run.placement import Placement
+from gradsync.run.preflight import preflight
 from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
 from test_config import compose_plain
@@ -56,7 +57,7 @@ def test_autocast_probe_sees_what_the_device_runs():
 
 
 def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
-    """bf16 runs on CPU; on CUDA validate() runs no op at all (it would put a CUDA context on
+    """bf16 runs on CPU; on CUDA preflight() runs no op at all (it would put a CUDA context on
     GPU 0 in the launcher): the GPUs' compute capability decides, in run/placement.py
     check_cuda (tests/test_slurm.py: bf16 refused below 8.0; tests/test_gpu.py on a GPU). The
     probe that runs an op is watched: on CPU ranks it decides (a probe that says no refuses
@@ -71,34 +72,34 @@ def test_the_config_check_runs_nothing_on_a_gpu(monkeypatch):
         return probe(name, device_type)
 
     def no_cuda() -> None:
-        raise AssertionError("validate() initialised CUDA")
+        raise AssertionError("preflight() initialised CUDA")
 
     monkeypatch.setattr(dtypes, "autocast_runs", watched)
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
     monkeypatch.setattr(torch.cuda, "init", no_cuda)
     cfg = compose_plain(["precision=bf16", "sync=amp_aware"])
-    assert validate(cfg).precision.name == "bf16"
+    assert preflight(cfg).precision.name == "bf16"
     assert asked == [("bf16", "cpu")]  # the op ran, on the CPU
     del asked[:]
-    assert validate(cfg, Placement("nccl", 2)).precision.name == "bf16"
+    assert preflight(cfg, Placement("nccl", 2)).precision.name == "bf16"
     assert asked == []  # no op at all
 
     # the probe really decides on CPU ranks, and only there
     monkeypatch.setattr(dtypes, "autocast_runs", lambda name, device_type: name != "bf16")
     with pytest.raises(ConfigError, match=r"^precision.name='bf16' cannot run on cpu"):
-        validate(cfg)
-    assert validate(cfg, Placement("nccl", 2)).precision.name == "bf16"
+        preflight(cfg)
+    assert preflight(cfg, Placement("nccl", 2)).precision.name == "bf16"
 
 
 def test_fp16_all_reduce_needs_the_fp16_scaler():
     for prec in ("fp32", "bf16"):
         cfg = compose_plain([f"precision={prec}", "sync=amp_aware", "sync.comm_dtype=fp16"])
         with pytest.raises(ConfigError, match=r"sync.comm_dtype='fp16' needs precision=fp16"):
-            validate(cfg)
-    validate(compose_plain(["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"]))
+            preflight(cfg)
+    preflight(compose_plain(["precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"]))
     cfg = compose_plain(["precision=fp16", "precision.backoff_factor=1.0"])
     with pytest.raises(ConfigError, match=r"precision.backoff_factor=1.0 is not allowed"):
-        validate(cfg)
+        preflight(cfg)
 
 
 def test_amp_aware_syncs_like_accumulate_and_checks_overflows_only_with_the_scaler():

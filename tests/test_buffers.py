@@ -16,7 +16,8 @@ import dist_cases
 import engine_cases
 from configs import plain_cfg
 from gradsync.components import build
-from gradsync.data.bundle import build_data, evaluate
+from gradsync.data.contract import build_data
+from gradsync.data.evaluation import evaluate
 from gradsync.train import checkpoint
 
 pytestmark = [pytest.mark.dist]
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.dist]
 # 203 samples (uneven over 2 ranks), micro-batches of 8, windows of 2, 2 epochs; eval data
 # 61 samples (rank 0 scores 31, rank 1 30)
 BATCHNORM = ["data=synthetic", "data.num_samples=203", "data.eval_samples=61", "data.in_dim=8",
-             "data.out_dim=2", "data.micro_batch_size=8",
+             "data.out_dim=2", "schedule.micro_batch_size=8",
              "model._target_=components_for_tests.BatchNormMLP", "~model.hidden_sizes",
              "~model.activation", "~model.dropout", "schedule.accum_steps=2",
              "optimizer.lr=0.05", "trainer.max_epochs=2", "trainer.checkpoint_every=5",
@@ -69,14 +70,15 @@ def test_the_evaluated_model_is_the_saved_model(pool2, tmp_path, engine):
     (["model=mlp"], "nccl", "trainer.sync_batchnorm=true: the model (gradsync.models.MLP) has "
      "no BatchNorm layer to synchronise")])
 def test_sync_batchnorm_is_refused_where_it_cannot_run(extra, placement, says):
-    from gradsync.config.validate import ConfigError, validate
+    from gradsync.config.validate import ConfigError
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
+    from gradsync.run.preflight import preflight
 
     model = [] if extra == ["model=mlp"] else BATCHNORM
     cfg = compose_plain([*BATCHNORM[:5], *model[5:], *extra, "trainer.sync_batchnorm=true"])
     with pytest.raises(ConfigError) as e:
-        validate(cfg, Placement(placement, 2) if placement else None)
+        preflight(cfg, Placement(placement, 2) if placement else None)
     assert str(e.value) == says
 
 

@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from configs import plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.core.seeds import derive_seed
-from gradsync.data.bundle import epoch_batches, train_loader
+from gradsync.data.loader import epoch_batches, train_loader
 from gradsync.run.faults import StopAgreement, StopFlag
+from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
 from gradsync.train.checkpoint import ResumeError, resolve_resume
 from gradsync.train.loop import require_finite_parameters
@@ -297,10 +298,10 @@ def test_new_trainer_keys_are_validated(cfg, key, value, allowed):
     bad["trainer"][key] = value
     expected = f"trainer.{key}={value} is not allowed: {allowed}"
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        validate(bad)
+        preflight(bad)
 
 
 def test_resume_must_be_none_auto_or_an_existing_path(cfg):
     bad = dict(cfg, resume="/no/such/run")
     with pytest.raises(ConfigError, match="resume='/no/such/run' is not allowed: none, auto"):
-        validate(bad)
+        preflight(bad)

@@ -16,13 +16,14 @@ import torch
 
 import dist_cases
 from configs import plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
 # the transformer on 64 token sequences of 4 to 16 tokens: lengths vary between micro-batches
 TOKENS = ["model=transformer", "data=synthetic_lm", "data.num_samples=64", "data.eval_samples=16",
-          "data.max_len=16", "data.micro_batch_size=4", "schedule.accum_steps=2",
+          "data.max_len=16", "schedule.micro_batch_size=4", "schedule.accum_steps=2",
           "trainer.max_epochs=1", "optimizer.lr=0.1", "lr_scheduler.warmup_steps=1",
           "trainer.log_every=1", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
           "trainer.backend=gloo", "trainer.timeout_s=120", "seed=3"]
@@ -102,7 +103,7 @@ def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
      "trainer.compile_mode='fastest' is not allowed: null or one of default")])
 def test_what_cannot_compile_is_one_line_before_any_worker(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(plain_cfg([*TOKENS, *COMPILED, *overrides]))
+        preflight(plain_cfg([*TOKENS, *COMPILED, *overrides]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
 
 

@@ -18,12 +18,12 @@ import dist_cases
 from components_for_tests import SyncLast
 from configs import SAME, losses, plain_cfg
 from conftest import REPO
-from gradsync.config.validate import validate
+from gradsync.run.preflight import preflight
 from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
 
@@ -31,7 +31,7 @@ TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.
 def with_policy(target: str, extra: list[str] = (), **kwargs) -> dict:
     cfg = plain_cfg([*TINY, *extra])
     cfg["sync"] = {"_target_": target, **kwargs}
-    validate(cfg)
+    preflight(cfg)
     return cfg
 
 
@@ -69,21 +69,18 @@ def test_a_policy_needs_only_should_sync(pool2, tmp_path):
         assert torch.equal(own["params"][name], value), name
 
 
-def test_data_is_built_once_per_process_and_from_the_seed_alone():
-    """The config check builds the data and keeps it; a rank forked from the checking process
-    takes it; wherever it is built, it is the same data (the global streams seeded from the
-    run seed, the caller's left as they were)."""
-    from gradsync.data.bundle import build_data
+def test_data_is_built_from_the_seed_alone():
+    """No cache: the preflight, +inspect and every rank build the data each, and wherever it is
+    built it is the same data (the global streams seeded from the run seed, the caller's left
+    as they were)."""
+    from gradsync.data.contract import build_data
 
-    node = {"_target_": "components_for_tests.data_from_the_global_stream",
-            "micro_batch_size": 4}
+    node = {"_target_": "components_for_tests.data_from_the_global_stream"}
     torch.manual_seed(123)
     checked = build_data(node, 7)
-    assert build_data(node, 7) is checked  # +inspect=params, the sync.groups check
-    assert build_data(node, 7, take=True) is checked  # the rank
     torch.manual_seed(999)
     state = torch.get_rng_state()
-    again = build_data(node, 7, take=True)  # taken: built anew
+    again = build_data(node, 7)  # the rank's: built anew
     assert again is not checked
     assert torch.equal(again.train.tensors[0], checked.train.tensors[0])
     assert torch.equal(torch.get_rng_state(), state)
@@ -130,8 +127,8 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     """A loss returning the micro-batch's mean trains, wrongly, and a per-sample `correct`
     fails only at the final evaluation: both stop every rank at its first micro-batch."""
     cfg = plain_cfg([a for a in TINY if not a.startswith("data")])
-    cfg["data"] = {"_target_": data, "micro_batch_size": 8}
-    validate(cfg)  # nothing to see before training: the bundle is a DataBundle
+    cfg["data"] = {"_target_": data}
+    preflight(cfg)  # nothing to see before training: the bundle is a DataBundle
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "ContractError")
     for m in messages:
         assert m.startswith(expected), m

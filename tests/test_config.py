@@ -16,9 +16,10 @@ from torch.utils.data import default_collate
 from gradsync.components import build, locate, parameters
 from gradsync.config.hydra import register_configs
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import RUNTIME, ConfigError, validate
+from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.dtypes import DTYPES
 from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.run.preflight import preflight
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
 
@@ -51,10 +52,10 @@ def test_every_option_composes_validates_and_builds(group, option):
     if group == "schedule" and option == "global_batch":
         overrides.append("schedule.global_batch_size=64")  # 2 ranks x micro 16 x 2
     cfg = compose_plain(overrides)
-    validate(cfg)
+    preflight(cfg)
     run = RunConfig.from_plain(cfg)
     small = {"num_samples": 64} if "num_samples" in cfg["data"] else {}
-    data = build({**cfg["data"], **small}, {"seed": cfg["seed"]}, extra=("micro_batch_size",))
+    data = build({**cfg["data"], **small}, {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes)
     x, y = (data.collate or default_collate)([data.train[i] for i in range(4)])
     sums, counts = data.loss(model(x), y)
@@ -65,7 +66,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     sched = build(cfg["lr_scheduler"], {"optimizer": opt, "total_steps": 10})
     assert sched.get_last_lr()[0] > 0
     schedule = build_schedule(run.schedule, world_size=2,
-                              micro_batch_size=cfg["data"]["micro_batch_size"])
+                              micro_batch_size=cfg["schedule"]["micro_batch_size"])
     assert schedule.accum_steps(0) >= 1
     policy = build(cfg["sync"])
     assert [policy.should_sync(i, 4) for i in range(4)] == SYNCS[policy.name]
@@ -86,7 +87,7 @@ def test_a_gradsync_components_yaml_states_its_own_signature_defaults(group, opt
     optimizer as they are."""
     node = yaml.safe_load((Path(CONF_DIR) / group / f"{option}.yaml").read_text())
     params = parameters(locate(node["_target_"]))
-    keys = [k for k in node if not k.startswith("_") and k != "micro_batch_size"]
+    keys = [k for k in node if not k.startswith("_")]
     assert set(keys) <= set(params), set(keys) - set(params)
     if not node["_target_"].startswith("gradsync."):
         assert group == "optimizer", node["_target_"]
@@ -122,29 +123,29 @@ def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
 
 def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
     cfg = compose_plain(["schedule=global_batch", "schedule.global_batch_size=96",
-                         "data.micro_batch_size=8", "trainer.devices=3"])
-    validate(cfg)
+                         "schedule.micro_batch_size=8", "trainer.devices=3"])
+    preflight(cfg)
     assert build_schedule(RunConfig.from_plain(cfg).schedule, 3, 8).accum_steps(0) == 4
     cfg["schedule"]["global_batch_size"] = 100
     with pytest.raises(ConfigError, match="schedule.global_batch_size.*3 x 8 = 24"):
-        validate(cfg)
+        preflight(cfg)
 
 
 def test_nccl_without_cuda_is_refused():
     cfg = compose_plain(["trainer.backend=nccl"])
     with pytest.raises(ConfigError, match="trainer.backend"):
-        validate(cfg)
+        preflight(cfg)
 
 
-# Refused by validate(), each with the one line the command line prints after "config error: ".
+# Refused by preflight(), each with the one line the command line prints after "config error: ".
 REFUSED = [
     (["schedule.accum_steps=0"], "schedule.accum_steps=0 is not allowed: an integer >= 1"),
     (["schedule.accum_steps=-3"], "schedule.accum_steps=-3 is not allowed"),
     (["schedule=global_batch", "schedule.global_batch_size=100"],
      "schedule.global_batch_size=100 is not allowed: a positive multiple of world_size x "
-     "data.micro_batch_size = 2 x 16 = 32"),
+     "schedule.micro_batch_size = 2 x 16 = 32"),
     (["trainer.devices=0"], "trainer.devices=0 is not allowed: an integer >= 1"),
-    (["data.micro_batch_size=0"], "data.micro_batch_size=0 is not allowed"),
+    (["schedule.micro_batch_size=0"], "schedule.micro_batch_size=0 is not allowed"),
     (["trainer.backend=mpi"], "trainer.backend='mpi' is not allowed: one of auto, gloo, nccl"),
     (["sync=amp_aware", "sync.comm_dtype=int8"],
      "sync.comm_dtype='int8' is not allowed: one of fp32, bf16, fp16"),
@@ -161,7 +162,7 @@ REFUSED = [
      "gradsync.sync.policies.AccumulateSync; accepted keys: compression, groups, powersgd_rank"),
     (["+sync.uses_scaler=true"], "sync.uses_scaler: set by gradsync at run time"),
     (["schedule=constant", "+schedule.global_batch_size=64"],
-     "schedule.global_batch_size: unknown key; allowed keys: accum_steps, name"),
+     "schedule.global_batch_size: unknown key; allowed keys: accum_steps, micro_batch_size, name"),
     (["model._target_=nosuchpackage.Model"], "model._target_='nosuchpackage.Model': no module"),
     (["model._target_=gradsync.models.NoSuchModel"],
      "model._target_='gradsync.models.NoSuchModel': gradsync.models has no NoSuchModel"),
@@ -202,13 +203,13 @@ REFUSED = [
 @pytest.mark.parametrize("args,expected", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_bad_values_are_refused_naming_the_key(args, expected):
     with pytest.raises(ConfigError) as err:
-        validate(compose_plain(args))
+        preflight(compose_plain(args))
     assert str(err.value).startswith(expected), str(err.value)
 
 
 def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
     cfg = compose_plain(["schedule=epochwise", "schedule.accum_steps_by_epoch={0:2,3:8}"])
-    validate(cfg)
+    preflight(cfg)
     assert cfg["schedule"]["accum_steps_by_epoch"] == {0: 2, 3: 8}
     sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2, 16)
     assert [sched.accum_steps(e) for e in range(5)] == [2, 2, 2, 8, 8]
@@ -295,7 +296,7 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
     params = {}
     for fused in (None, True):
         cfg = compose_plain([f"optimizer={opt}"] + (["optimizer.fused=true"] if fused else []))
-        validate(cfg)
+        preflight(cfg)
         torch.manual_seed(0)
         model = MLP(8, 4, [16], "tanh")
         optim = build(cfg["optimizer"])(model.parameters())
@@ -376,14 +377,13 @@ def with_nodes(**nodes) -> dict:
 WRONG_KIND = [
     ({"model": {"_target_": "components_for_tests.not_a_model"}},
      "model (components_for_tests.not_a_model): returned a list, which is no torch.nn.Module"),
-    ({"data": {"_target_": "components_for_tests.not_data", "micro_batch_size": 16}},
+    ({"data": {"_target_": "components_for_tests.not_data"}},
      "data (components_for_tests.not_data): returned a dict, which is no "
      "gradsync.data.DataBundle"),
-    ({"data": {"_target_": "components_for_tests.digits_lacking_a_size",
-               "micro_batch_size": 16}},
+    ({"data": {"_target_": "components_for_tests.digits_lacking_a_size"}},
      "data (components_for_tests.digits_lacking_a_size): @provides names n_classes, which its "
      "DataBundle's sizes lack (they are in_dim, out_dim)"),
-    ({"data": {"_target_": "components_for_tests.digits_without_eval", "micro_batch_size": 16}},
+    ({"data": {"_target_": "components_for_tests.digits_without_eval"}},
      "data (components_for_tests.digits_without_eval): its DataBundle's eval set is empty"),
     ({"optimizer": {"_target_": "components_for_tests.list_optimizer", "_partial_": True}},
      "optimizer (components_for_tests.list_optimizer): returned a list, which is no "
@@ -401,13 +401,49 @@ WRONG_KIND = [
 @pytest.mark.parametrize("nodes,expected", WRONG_KIND, ids=[str(n) for n, _ in WRONG_KIND])
 def test_a_component_returning_the_wrong_kind_of_object_is_refused(nodes, expected):
     with pytest.raises(ConfigError) as err:
-        validate(with_nodes(**nodes))
+        preflight(with_nodes(**nodes))
     assert str(err.value).startswith(expected), str(err.value)
 
 
 def test_a_target_that_takes_no_keys_says_so_for_the_keys_left_from_another():
     """model._target_ replaced on the command line: the MLP's keys stay in the node."""
     with pytest.raises(ConfigError) as e:
-        validate(compose_plain(["model._target_=components_for_tests.not_a_model"]))
+        preflight(compose_plain(["model._target_=components_for_tests.not_a_model"]))
     assert str(e.value) == ("model.hidden_sizes: unknown key for "
                             "components_for_tests.not_a_model; it takes no keys")
+
+
+RENAMED_MICRO = ("data.micro_batch_size is now schedule.micro_batch_size: set "
+                 "schedule.micro_batch_size instead")
+
+
+@pytest.mark.parametrize("argv", [["data.micro_batch_size=8"], ["+data.micro_batch_size=8"]])
+def test_the_old_micro_batch_key_names_the_new_one(argv, tmp_path, monkeypatch, capsys):
+    assert entry_point_error(argv, TESTS, tmp_path, monkeypatch, capsys) == RENAMED_MICRO
+
+
+def test_a_data_node_holding_the_micro_batch_is_refused_but_a_recorded_one_is_read():
+    cfg = compose_plain(["schedule.micro_batch_size=8"])
+    assert cfg["schedule"]["micro_batch_size"] == 8 and "micro_batch_size" not in cfg["data"]
+    old = cfg | {"data": cfg["data"] | {"micro_batch_size": 32},
+                 "schedule": {k: v for k, v in cfg["schedule"].items() if k != "micro_batch_size"}}
+    with pytest.raises(ConfigError, match="^" + RENAMED_MICRO + "$"):
+        preflight(old)
+    # a config a checkpoint recorded before the rename: its micro-batch, its data's arguments
+    run = RunConfig.from_plain(old)
+    assert run.micro_batch_size == 32 and "micro_batch_size" not in run.data.args
+    assert run.to_plain()["schedule"]["micro_batch_size"] == 32
+
+
+def test_the_config_check_builds_nothing_and_the_preflight_builds_every_part():
+    """config/validate.py checks the config's own values; a data target returning the wrong
+    kind passes it, and the run's preflight (run/preflight.py) builds it and refuses it."""
+    from gradsync.config.validate import validate
+
+    cfg = with_nodes(data={"_target_": "components_for_tests.not_data"})
+    run = validate(cfg, 2, "cpu")
+    assert (run.data.target, run.micro_batch_size, run.schedule.accum_steps) == (
+        "components_for_tests.not_data", 16, 4)
+    with pytest.raises(ConfigError, match=r"^data \(components_for_tests.not_data\): returned a "
+                                          r"dict, which is no gradsync.data.DataBundle"):
+        preflight(cfg)

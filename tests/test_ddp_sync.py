@@ -8,7 +8,7 @@ import torch
 import dist_cases
 from configs import plain_cfg
 from gradsync.config.schema import RunConfig
-from gradsync.data.bundle import mse_per_sample
+from gradsync.data.contract import mse_per_sample
 from gradsync.models import MLP
 from gradsync.run.worker import run_training
 
@@ -58,7 +58,7 @@ def test_always_syncs_every_micro_step_and_ends_at_the_same_gradient(pool2):
 def run_overrides(devices: int, micro: int, accum: int, sync: str = "accumulate") -> list[str]:
     """The settings every run of these tests shares (the model and data aside)."""
     return ["seed=3", "optimizer.lr=0.05", f"schedule.accum_steps={accum}", f"sync={sync}",
-            f"data.micro_batch_size={micro}", f"trainer.devices={devices}",
+            f"schedule.micro_batch_size={micro}", f"trainer.devices={devices}",
             "trainer.max_epochs=2", "trainer.log_every=3", "trainer.backend=gloo",
             "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.timeout_s=60",
             "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1",

@@ -14,8 +14,9 @@ import torch
 
 import engine_cases
 from configs import losses, plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.engines.trace import BucketRecord, MicroBatch, SyncTrace, table
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
@@ -103,7 +104,7 @@ def test_gradient_memory_counts_the_buckets_when_gradients_are_not_views(pool2, 
 # sampler's repeat), 11 micro-batches, the last one of a single position; accum 2 -> windows
 # 2,2,2,2,2,1. MLP 8-16-16-2 in 3 buckets of 100 bytes at most (after the rebuild).
 RUN = ["data=synthetic", "data.num_samples=101", "data.eval_samples=31", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=5", "model.hidden_sizes=[16,16]",
+       "data.out_dim=2", "schedule.micro_batch_size=5", "model.hidden_sizes=[16,16]",
        "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
        "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
        "trainer.log_every=4", "trainer.checkpoint_every=0", "trainer.bucket_cap_mb=0.0001"]
@@ -179,7 +180,7 @@ def test_a_per_bucket_policy_needs_the_gradsync_engine():
     cfg["sync"] = PER_BUCKET
     with pytest.raises(ConfigError, match=r"decides per gradient bucket \(sync_bucket\), which "
                        "trainer.engine=torch_ddp cannot carry out: set trainer.engine=gradsync"):
-        validate(cfg)
+        preflight(cfg)
 
 
 @pytest.mark.slow
@@ -189,7 +190,7 @@ def test_a_bucket_kept_local_accumulates_into_the_next_synchronisation(runs, poo
     bucket kept local."""
     cfg = plain_cfg([*CASES["always"], "trainer.engine=gradsync", "trainer.trace_sync=true"])
     cfg["sync"] = PER_BUCKET
-    validate(cfg)
+    preflight(cfg)
     ours = pool2.run(engine_cases.traced_run, cfg, str(tmp_path))[0]
     theirs = runs("always", "torch_ddp")[0]
     for name, value in theirs["params"].items():
@@ -271,7 +272,7 @@ def test_wait_and_overlap_from_the_times():
 
 # --- the classic mistakes (docs/debugging.md, examples/debugging) -------------------------------
 TINY = ["data=synthetic", "data.num_samples=96", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "data.micro_batch_size=8", "schedule.accum_steps=2",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "schedule.accum_steps=2",
         "trainer.max_epochs=1", "trainer.progress_bar=false", "trainer.threads_per_worker=1",
         "trainer.checkpoint_every=0", "trainer.engine=gradsync"]
 
@@ -283,7 +284,7 @@ def examples(monkeypatch):
     def cfg(extra: list[str] = (), **nodes) -> dict:
         out = plain_cfg([*TINY, *extra])
         out.update(nodes)
-        validate(out)
+        preflight(out)
         return out
 
     return cfg

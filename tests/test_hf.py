@@ -32,14 +32,14 @@ STEPS_PER_EPOCH = 6
 
 
 def two_ranks(engine: str) -> list[str]:  # 2 ranks x micro 4 x N 2
-    return [*HF, "data.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
+    return [*HF, "schedule.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
             f"trainer.engine={engine}"]
 
 
 @pytest.fixture(scope="module")
 def one_process(single_process_group, tmp_path_factory):
     """The same global windows in one process: micro 8 x N 2."""
-    cfg = plain_cfg([*HF, "data.micro_batch_size=8", "schedule.accum_steps=2",
+    cfg = plain_cfg([*HF, "schedule.micro_batch_size=8", "schedule.accum_steps=2",
                      "trainer.devices=1"])
     out = tmp_path_factory.mktemp("hf_one")
     summary = run_training(RunConfig.from_plain(cfg), out)
@@ -135,7 +135,8 @@ def test_a_key_not_yet_in_a_mapping_argument_is_named_with_the_fix(tmp_path, cli
 
 
 def test_a_hugging_face_config_is_checked_before_anything_runs():
-    from gradsync.config.validate import ConfigError, validate
+    from gradsync.config.validate import ConfigError
+    from gradsync.run.preflight import preflight
 
     for overrides, message in [
             (["+model.config.hiden_size=8"], "model.config.hiden_size: not a setting of "
@@ -147,5 +148,5 @@ def test_a_hugging_face_config_is_checked_before_anything_runs():
             (["model.attn_implementation=flash"], "model.attn_implementation='flash' is not "
                                                   "allowed: one of eager, sdpa")]:
         with pytest.raises(ConfigError) as e:
-            validate(plain_cfg([*HF, *overrides]))
+            preflight(plain_cfg([*HF, *overrides]))
         assert str(e.value).startswith(message), e.value

@@ -16,8 +16,9 @@ import torch
 
 import layer_sync_cases
 from configs import SAME, losses, plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 from resume_harness import Run
 
 pytestmark = [pytest.mark.dist]
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.dist]
 # 104 samples, 2 ranks, micro 8: 7 micro-batches per rank and epoch, accum 2 -> windows 2,2,2,1;
 # 3 epochs: 12 windows. MLP 8-16-2: 0.weight/0.bias (144 numbers), 2.weight/2.bias (34).
 RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+       "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
        "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
        "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
        "trainer.log_every=5", "trainer.checkpoint_every=0", "optimizer=sgd",
@@ -187,7 +188,7 @@ def test_fp16_an_overflow_in_an_every_group_on_one_rank_skips_the_step_on_both(
 def test_bad_rules_are_one_line_config_errors(overrides, message):
     cfg = compose_plain([*RUN, *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -18,10 +18,12 @@ import dist_cases
 from configs import plain_cfg
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import ConfigError, validate
-from gradsync.data.bundle import IGNORE_INDEX, evaluate, pad_batch, token_loss_per_sample
+from gradsync.config.validate import ConfigError
+from gradsync.data.evaluation import evaluate
+from gradsync.data.tokens import IGNORE_INDEX, pad_batch, token_loss_per_sample
 from gradsync.models import Transformer
 from gradsync.run.main import CONF_DIR
+from gradsync.run.preflight import preflight
 from gradsync.run.worker import run_training
 from gradsync.train import checkpoint
 from gradsync.train.normalize import resolve
@@ -29,14 +31,14 @@ from gradsync.train.schedules import build_schedule
 from test_config import compose_plain
 from test_ddp_sync import run_overrides
 
-LM_DATA = {"_target_": "gradsync.data.synthetic_lm", "micro_batch_size": 8, "num_samples": 512,
+LM_DATA = {"_target_": "gradsync.data.synthetic_lm", "num_samples": 512,
            "eval_samples": 50, "vocab_size": 32, "min_len": 4, "max_len": 64, "max_stride": 4,
            "noise": 0.05}
 
 
 def build_data(node: dict, seed: int):
     """The data as the worker builds it from its config node."""
-    return build(node, {"seed": seed}, extra=("micro_batch_size",))
+    return build(node, {"seed": seed})
 
 
 def test_synthetic_lm_is_deterministic_from_the_seed_and_spans_the_length_range():
@@ -270,22 +272,22 @@ def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_gr
 
 def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     cfg = compose_plain(["experiment=lm_accum_sweep"])
-    validate(cfg)
+    preflight(cfg)
     assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
     assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
     assert build_schedule(RunConfig.from_plain(cfg).schedule, 2,
-                          cfg["data"]["micro_batch_size"]).accum_steps(0) == 4
+                          cfg["schedule"]["micro_batch_size"]).accum_steps(0) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         params = compose("config", overrides=["experiment=lm_accum_sweep"],
                          return_hydra_config=True).hydra.sweeper.params
-    assert set(params) == {"data.micro_batch_size", "loss.normalize"}
+    assert set(params) == {"schedule.micro_batch_size", "loss.normalize"}
     accum = set()
-    for micro in params["data.micro_batch_size"].split(","):
+    for micro in params["schedule.micro_batch_size"].split(","):
         for normalize in params["loss.normalize"].split(","):
-            job = compose_plain(["experiment=lm_accum_sweep", f"data.micro_batch_size={micro}",
+            job = compose_plain(["experiment=lm_accum_sweep", f"schedule.micro_batch_size={micro}",
                                  f"loss.normalize={normalize}"])
-            validate(job)
+            preflight(job)
             assert job["schedule"]["global_batch_size"] == 64
             accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2,
                                      int(micro)).accum_steps(0))
@@ -310,14 +312,14 @@ BAD_LM = [
 def test_bad_lm_config_is_refused_naming_the_key(overrides, message):
     cfg = compose_plain(["experiment=lm_accum_sweep", *overrides])
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert str(e.value).startswith(message)
 
 
 def test_the_transformer_on_sample_data_is_refused():
     with pytest.raises(ConfigError, match=r"^model: gradsync.models.Transformer needs "
                        r"vocab_size, which data \(gradsync.data.digits\) does not provide"):
-        validate(compose_plain(["model=transformer"]))
+        preflight(compose_plain(["model=transformer"]))
 
 
 @pytest.mark.slow

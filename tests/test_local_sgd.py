@@ -13,15 +13,16 @@ import torch
 import dist_cases
 import local_sgd_cases
 from configs import plain_cfg
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist]
 
 # 104 samples, 2 ranks, micro 8: 7 micro-batches per rank and epoch (the last one 4 samples),
 # accum 2 -> windows 2,2,2,1; 3 epochs: 12 windows. MLP 8-16-2: 178 parameters, no buffers.
 RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[16]",
+       "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
        "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
        "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
        "trainer.log_every=5", "trainer.checkpoint_every=0"]
@@ -131,7 +132,7 @@ def test_local_sgd_every_1_with_sgd_momentum_trains_accumulates_parameters(local
 # That last window of each epoch holds one real sample on rank 0 and none on rank 1. 2 epochs:
 # 4 windows; H=3 averages after window 3 and at the end, so windows 2 and 4 are local steps.
 PRIME = ["data=synthetic", "data.num_samples=13", "data.eval_samples=8", "data.in_dim=8",
-         "data.out_dim=2", "data.micro_batch_size=2", "model.hidden_sizes=[16]",
+         "data.out_dim=2", "schedule.micro_batch_size=2", "model.hidden_sizes=[16]",
          "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=3",
          "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
          "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
@@ -306,7 +307,7 @@ BAD = [
 def test_bad_options_are_one_line_config_errors(args, expected):
     cfg = compose_plain(args)
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
+        preflight(cfg)
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 

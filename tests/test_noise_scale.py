@@ -16,8 +16,8 @@ import dist_cases
 import noise_cases
 from configs import EXACT_RESUME, SAME, losses, plain_cfg
 from gradsync.components import ConfigError
-from gradsync.config.validate import validate
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
 from gradsync.train.lr_scaling import ScaledLR, adascale_gain
 from gradsync.train.noise_scale import NoiseScale
@@ -104,7 +104,7 @@ def test_one_rank_compares_the_first_micro_batch_with_the_window(single_process_
 TRUTH_DATA = {"seed": 3, "num_samples": 63, "eval_samples": 16, "in_dim": 8, "out_dim": 8,
               "noise": 0.5, "hidden_sizes": [32], "activation": "tanh"}
 TRUTH = ["data=synthetic", "data.num_samples=63", "data.eval_samples=16", "data.in_dim=8",
-         "data.out_dim=8", "data.micro_batch_size=8", "data.noise=0.5",
+         "data.out_dim=8", "schedule.micro_batch_size=8", "data.noise=0.5",
          "model.hidden_sizes=[32]", "model.activation=tanh", "optimizer.lr=0.0",
          "optimizer.momentum=0.0", "schedule.accum_steps=1", "trainer.noise_scale=true",
          "trainer.noise_scale_decay=0.998", "trainer.max_epochs=60", "trainer.log_every=50",
@@ -146,7 +146,9 @@ def test_the_noise_scale_converges_to_the_exact_values_of_the_data_set(pool2, tm
 
 
 # --- the adaptive schedule and AdaScale: identical on every rank, bitwise on resume ----------
-ADAPTIVE = [*(o for o in EXACT_RESUME if not o.startswith("schedule.")), "schedule=adaptive",
+ADAPTIVE = [*(o for o in EXACT_RESUME  # the window's N, not its micro-batch size
+              if not o.startswith("schedule.") or o.startswith("schedule.micro_batch_size=")),
+            "schedule=adaptive",
             "schedule.initial_accum_steps=4", "schedule.min_accum_steps=1",
             "schedule.max_accum_steps=4", "schedule.every=2",
             "lr_scaling=adascale", "lr_scaling.reference_batch=32",
@@ -313,7 +315,7 @@ def test_scaled_lr_applies_the_factor_and_advances_the_schedule_by_the_clock():
 ])
 def test_bad_noise_scale_and_lr_scaling_options_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(compose_plain(overrides))
+        preflight(compose_plain(overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -24,8 +24,9 @@ from gradsync.config.schema import (
     PrecisionConfig,
     TrainerConfig,
 )
-from gradsync.config.validate import RUNTIME, validate
+from gradsync.config.validate import RUNTIME
 from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.run.preflight import preflight
 
 # The overrides that choose each option's component (a built-in YAML option) or schema.
 CHOICES = {"": [], "model=transformer": ["model=transformer", "data=synthetic_lm"],
@@ -85,6 +86,10 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     # --- schedule, precision, loss ----------------------------------------------------------
     ("schedule=constant", "schedule.name"): ["linear", ""],
     ("schedule=constant", "schedule.accum_steps"): [0, -1],
+    ("schedule=constant", "schedule.micro_batch_size"): [0, -1],
+    ("schedule=epochwise", "schedule.micro_batch_size"): [0, -1],
+    ("schedule=global_batch", "schedule.micro_batch_size"): [0, -1],
+    ("schedule=adaptive", "schedule.micro_batch_size"): [0, -1],
     ("schedule=epochwise", "schedule.name"): ["linear"],
     ("schedule=epochwise", "schedule.accum_steps_by_epoch"):
         ["2", [2], {1: 2}, {0: 0}, {0: 2, -1: 2}, {0: "2"}, {0: True}, {0: 1.5}],
@@ -107,7 +112,6 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     # --- top level --------------------------------------------------------------------------
     ("", "seed"): [-1, 2**63],
     ("", "resume"): ["", "/no/such/checkpoint.pt", "latest"],
-    ("", "data.micro_batch_size"): [0, -1],
     # --- models (gradsync/models.py) ----------------------------------------------------------
     ("model=hf_llama", "model.config_class"): ["torch.nn.Linear", "transformers.Nope", "x"],
     ("model=hf_llama", "model.config"): [{"hiden_size": 8}, {"vocab_size": 8}],
@@ -181,7 +185,7 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
                                *((f"schedule={n}", "schedule", c) for n, c in SCHEDULES.items())]:
         for name, hint in typing.get_type_hints(cls).items():
             found[choice, f"{group}.{name}"] = hint
-    found["", "seed"], found["", "resume"], found["", "data.micro_batch_size"] = int, str, int
+    found["", "seed"], found["", "resume"] = int, str
     for group in ("model", "data", "sync", "lr_scheduler"):
         for path in sorted((Path(CONF_DIR) / group).glob("*.yaml")):
             target = locate(yaml.safe_load(path.read_text())["_target_"])
@@ -241,7 +245,7 @@ def with_value(choice: str, key: str, value) -> dict:
 @pytest.mark.parametrize("choice,key", list(ENUMERATED), ids=[f"{c} {k}".strip()
                                                               for c, k in ENUMERATED])
 def test_every_option_refuses_nonsense_naming_itself(choice, key):
-    validate(composed(choice))  # the option's own default is fine
+    preflight(composed(choice))  # the option's own default is fine
     listed = OPTIONS.get((choice, key), [])
     nonsense = wrong_types(ENUMERATED[choice, key]) + (listed if isinstance(listed, list)
                                                        else [])
@@ -249,7 +253,7 @@ def test_every_option_refuses_nonsense_naming_itself(choice, key):
     accepted, unnamed = [], []
     for value in nonsense:
         try:
-            validate(with_value(choice, key, value))
+            preflight(with_value(choice, key, value))
         except ConfigError as e:
             if key.rpartition(".")[2] not in str(e):
                 unnamed.append((value, str(e)))

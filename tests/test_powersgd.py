@@ -10,14 +10,15 @@ import pytest
 
 from configs import plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # 32 -> 64 -> 64 -> 8: matrices PowerSGD compresses at rank 4 (biases go uncompressed)
 BASE = ["data=synthetic", "data.num_samples=512", "data.in_dim=32", "data.out_dim=8",
-        "data.micro_batch_size=16", "model.hidden_sizes=[64,64]", "model.activation=tanh",
+        "schedule.micro_batch_size=16", "model.hidden_sizes=[64,64]", "model.activation=tanh",
         "optimizer.lr=0.05", "schedule.accum_steps=2", "trainer.max_epochs=4",
         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1",
         "trainer.checkpoint_every=0"]
@@ -67,12 +68,12 @@ def test_skipped_fp16_steps_do_not_poison_the_error_feedback(pool2, tmp_path):
 
 def test_powersgd_options_are_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="sync.compression='topk' is not allowed"):
-        validate(compose_plain(["sync.compression=topk"]))
+        preflight(compose_plain(["sync.compression=topk"]))
     with pytest.raises(ConfigError, match="sync.powersgd_start_step=1 is not allowed"):
-        validate(compose_plain([*PSGD, "sync.powersgd_start_step=1"]))
+        preflight(compose_plain([*PSGD, "sync.powersgd_start_step=1"]))
     with pytest.raises(ConfigError, match="set sync.comm_dtype=fp32"):
-        validate(compose_plain(["sync=amp_aware", "sync.compression=powersgd"]))
+        preflight(compose_plain(["sync=amp_aware", "sync.compression=powersgd"]))
     with pytest.raises(ConfigError, match="powersgd all-reduces through the process group"):
-        validate(compose_plain([*PSGD, "trainer.allreduce=shared_memory"]))
+        preflight(compose_plain([*PSGD, "trainer.allreduce=shared_memory"]))
     with pytest.raises(Exception, match="Could not override 'sync.compression'"):
         compose_plain(["sync=always", "sync.compression=powersgd"])  # always has none to choose

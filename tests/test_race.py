@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_dir
 
 from gradsync.components import ConfigError, describe
 from gradsync.config.hydra import register_configs, to_plain
-from gradsync.config.validate import validate
 from gradsync.data import corpus
 from gradsync.run import sweep
 from gradsync.run.main import CONF_DIR
+from gradsync.run.preflight import preflight
 
 register_configs()
 
@@ -41,8 +41,8 @@ def test_stdlib_corpus_is_deterministic_and_splits_by_file_without_overlap():
     assert c.sha256 != a.sha256
     both = set(c.text) & set(a.text)
     assert both and all((f in c.eval_files) == (f in a.eval_files) for f in both)
-    info = describe({"_target_": "gradsync.data.corpus.stdlib_text", "micro_batch_size": 8,
-                     "max_bytes": 300_000, "eval_fraction": 0.2}, extra=("micro_batch_size",))
+    info = describe({"_target_": "gradsync.data.corpus.stdlib_text",
+                     "max_bytes": 300_000, "eval_fraction": 0.2})
     assert info == {"root": str(corpus.stdlib_root()), "sha256": a.sha256,
                     "bytes": a.train_bytes + a.eval_bytes, "train_bytes": a.train_bytes,
                     "eval_bytes": a.eval_bytes, "train_files": len(a.train_files),
@@ -93,7 +93,7 @@ def test_bad_corpus_options_are_one_line_config_errors(tmp_path):
             ("data.max_bytes=1", "both need at least one")):
         cfg = compose_plain(["experiment=policy_race", override])
         with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as e:
-            validate(cfg)
+            preflight(cfg)
         assert "\n" not in str(e.value)
 
 
@@ -217,13 +217,13 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
     targets = {}
     for name in swept:
         plain = compose_plain(["experiment=policy_race", f"+experiment/race={name}"])
-        validate(plain)
+        preflight(plain)
         targets[name] = plain["sync"]["_target_"].rsplit(".", 1)[1]
         first_n = plain["schedule"].get("accum_steps", plain["schedule"].get(
             "initial_accum_steps"))
         budgets.add((plain["data"]["_target_"], plain["model"]["_target_"],
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],
-                     plain["data"]["micro_batch_size"], first_n,
+                     plain["schedule"]["micro_batch_size"], first_n,
                      plain["seed"], plain["optimizer"]["lr"]))
     assert budgets == {("gradsync.data.corpus.stdlib_text", "gradsync.models.Transformer", 2, 2, 8,
                         4, 0, 0.005)}
@@ -246,7 +246,7 @@ def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budg
     seen = {}
     for name in swept:
         plain = compose_plain(["experiment=window_search", f"+experiment/window={name}"])
-        validate(plain)
+        preflight(plain)
         assert (plain["data"]["max_bytes"], plain["trainer"]["max_epochs"],
                 plain["optimizer"]["lr"], plain["trainer"]["noise_scale"]) == (600000, 2,
                                                                                0.005, True)

@@ -11,9 +11,10 @@ import torch
 import shm_cases
 from configs import losses, plain_cfg
 from dist_cases import train_run_rows
-from gradsync.config.validate import ConfigError, validate
+from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
 from gradsync.run.placement import Placement
+from gradsync.run.preflight import preflight
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -61,7 +62,7 @@ def test_the_shared_buffer_has_no_name_a_kill_could_leave_behind(pool2):
 
 
 def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
-    base = ["data=synthetic", "data.num_samples=256", "data.micro_batch_size=16",
+    base = ["data=synthetic", "data.num_samples=256", "schedule.micro_batch_size=16",
             "model.hidden_sizes=[32,32]", "schedule.accum_steps=2", "trainer.max_epochs=2",
             "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1"]
     runs = {}
@@ -81,11 +82,11 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
 
 def test_allreduce_mode_is_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="trainer.allreduce='tcp' is not allowed"):
-        validate(compose_plain(["trainer.allreduce=tcp"]))
+        preflight(compose_plain(["trainer.allreduce=tcp"]))
     with pytest.raises(ConfigError, match="shared_memory is for CPU ranks"):
-        validate(compose_plain(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
+        preflight(compose_plain(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
                  Placement("nccl", 2))
-    validate(compose_plain(["trainer.allreduce=shared_memory"]))
+    preflight(compose_plain(["trainer.allreduce=shared_memory"]))
 
 
 def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():

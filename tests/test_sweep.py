@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_dir
 
 from gradsync.config.hydra import register_configs, to_plain
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import validate
 from gradsync.run import rundir, sweep
 from gradsync.run.main import CONF_DIR
+from gradsync.run.preflight import preflight
 from gradsync.train.metrics import final_metrics, flat_hparams
 from gradsync.train.schedules import build_schedule
 
@@ -64,12 +64,12 @@ def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
 
 def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
     cfg = compose_with_hydra(["experiment=fixed_global_batch"])
-    assert dict(cfg.hydra.sweeper.params) == {"data.micro_batch_size": "16,32,64"}
+    assert dict(cfg.hydra.sweeper.params) == {"schedule.micro_batch_size": "16,32,64"}
     ns = []
     for micro in (16, 32, 64):
         plain = to_plain(compose_with_hydra(["experiment=fixed_global_batch",
-                                             f"data.micro_batch_size={micro}"], False))
-        validate(plain)
+                                             f"schedule.micro_batch_size={micro}"], False))
+        preflight(plain)
         schedule = build_schedule(RunConfig.from_plain(plain).schedule,
                                   plain["trainer"]["devices"], micro)
         ns.append(schedule.accum_steps(0))

@@ -66,7 +66,7 @@ def mean_loss(kind: str, model: torch.nn.Module, samples: list) -> torch.Tensor:
 
 
 def reference_model(cfg: dict, params: list[torch.Tensor]):
-    data = build(cfg["data"], {"seed": cfg["seed"]}, extra=("micro_batch_size",))
+    data = build(cfg["data"], {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes)
     with torch.no_grad():
         for q, v in zip(model.parameters(), params, strict=True):

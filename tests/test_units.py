@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gradsync.config.schema import GlobalBatchScheduleConfig
-from gradsync.data.bundle import cross_entropy_per_sample, mse_per_sample, train_loader
+from gradsync.data.contract import cross_entropy_per_sample, mse_per_sample
+from gradsync.data.loader import train_loader
 from gradsync.sync.policies import AccumulateSync, AlwaysSync
 from gradsync.train.lr_schedulers import WarmupCosine, warmup_cosine
 from gradsync.train.schedules import (
@@ -129,3 +130,27 @@ def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
     logits = torch.zeros(3, 4)
     assert cross_entropy_per_sample(logits, torch.tensor([0, 1, 2]))[0].sum().item() == \
         pytest.approx(3 * math.log(4))
+
+
+def test_cpu_peak_memory_is_the_resident_peak_since_training_started():
+    from gradsync.train.memory import MemoryMeter, resident_peak_bytes
+
+    big = torch.ones(96 * 2**20 // 4)  # 96 MiB, touched: resident
+    del big
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start()  # the peak resets to the resident set now, the 96 MiB freed
+    after_reset = meter.peak_mb()
+    assert meter.measure == "cpu_peak_rss"
+    assert resident_peak_bytes() / 2**20 == pytest.approx(after_reset, abs=8)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB more, touched
+    peak = meter.peak_mb()
+    del block
+    assert after_reset is not None and peak is not None
+    assert 64 - 1 <= peak - after_reset <= 64 + 16
+    assert meter.summary()["peak_mb"] >= peak - 1  # a peak stays after the free (Linux
+    # counts a thread's resident pages in batches: within a MiB)
+    meter.record(unsharded=40, sharded=8)
+    meter.record(unsharded=0, sharded=24)
+    assert meter.summary() | {"peak_mb": 0} == {
+        "grad_unsharded_bytes": 40, "grad_sharded_bytes": 24, "grad_held_bytes": 48,
+        "peak_mb": 0, "peak_measure": "cpu_peak_rss"}

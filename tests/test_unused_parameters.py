@@ -23,7 +23,7 @@ TESTS = str(Path(__file__).parent)
 # 128 samples, 2 ranks, micro-batches of 8, windows of 1: 8 optimizer steps, each a
 # synchronising backward; the branch is skipped on the 2nd call (rank 0's 2nd with by_rank)
 JOB = ["data=synthetic", "data.num_samples=128", "data.eval_samples=64", "data.in_dim=8",
-       "data.out_dim=2", "data.micro_batch_size=8", "model._target_="
+       "data.out_dim=2", "schedule.micro_batch_size=8", "model._target_="
        "components_for_tests.SometimesUnusedBranch", "~model.hidden_sizes", "~model.activation",
        "~model.dropout", "schedule.accum_steps=1", "trainer.max_epochs=1",
        "trainer.checkpoint_every=1", "trainer.progress_bar=false",

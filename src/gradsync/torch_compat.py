@@ -17,8 +17,7 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
 - FSDP2 keeps a unit's parameter groups as a list ``_fsdp_param_groups`` from 2.13 (per-parameter
   meshes), one ``_fsdp_param_group`` (or None) before: the gradient memory count reads them
   (engines/fsdp.py). Every public FSDP2 and torch.distributed.checkpoint API the sharded engines
-  call, and the legacy profiler's private API train/memory.py traces allocations with, are the
-  same in 2.11 and 2.13.
+  call are the same in 2.11 and 2.13.
 - The unused-parameter check of the sharded engines (engines/fsdp.py ``_refuse_unused``) wraps
   FSDP2's private ``FSDPParamGroup.post_backward`` and
   ``FSDPState._root_post_backward_final_callback``, and reads ``reduce_grads``,

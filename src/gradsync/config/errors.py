@@ -1,16 +1,23 @@
 """Errors as one line: a Hydra or OmegaConf exception (raised while composing the command line's
-config) turned into one line naming the key and what is allowed."""
+config) turned into one line naming the key and what is allowed, read from the exceptions' own
+fields (Hydra's MissingConfigException: the file and its group's options; OmegaConf's errors:
+full_key, object_type, msg), never from their text."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from hydra.errors import MissingConfigException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
 from gradsync.config import validate
-from gradsync.config.hydra import compose_command_line, node_of, schema_keys
-from gradsync.config.validate import RUNTIME, runtime_arguments
+from gradsync.config.hydra import compose_command_line, node_of
+from gradsync.config.validate import RUNTIME, renamed, runtime_arguments
+
+E = TypeVar("E", bound=BaseException)
 
 
 def first_line(text: str) -> str:
@@ -18,29 +25,43 @@ def first_line(text: str) -> str:
     return validate.first_line(text) or "unknown error"
 
 
+def in_chain(exc: BaseException, kind: type[E]) -> E | None:
+    """exc or the first exception of its chain of causes that is a kind (Hydra raises its own,
+    from OmegaConf's)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
 def one_line(exc: BaseException, argv: Sequence[str] = (),
              app: Callable[..., Any] | None = None) -> str:
     """Hydra/OmegaConf errors as one line naming the key and what is allowed. argv and app: the
     command line and the entry point's Hydra app that failed to compose it (to name the
     component it chose)."""
+    missing = in_chain(exc, MissingConfigException)
+    where = getattr(missing, "missing_cfg_file", None) or ""
+    if missing is not None and "/" in where:
+        group, _, option = where.rpartition("/")
+        return (f"{group}={option}: no such option; choose one of: "
+                f"{', '.join(missing.options or [])}")
+    oc = in_chain(exc, OmegaConfBaseException)
+    key = getattr(oc, "full_key", None)
+    if oc is not None and key:
+        if isinstance(oc, (ConfigKeyError, ConfigAttributeError)):
+            if renamed(key):
+                return renamed(key) or key
+            kind = getattr(oc, "object_type", None)
+            if kind is dict and key.split(".")[0] in RUNTIME:
+                return unknown_component_key(key, argv, app)
+            keys = sorted(f.name for f in dataclasses.fields(kind)) \
+                if isinstance(kind, type) and dataclasses.is_dataclass(kind) else []
+            return f"{key}: unknown key; allowed keys: {', '.join(keys)}"
+        return f"{key}: {first_line(str(oc))}"
     cause = exc.__cause__
     text = f"{exc}\n{cause}" if cause else str(exc)
-    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
-    if missing:
-        group, option = missing.groups()
-        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
-        return f"{group}={option}: no such option; choose one of: {', '.join(options)}"
-    full_key = re.search(r"full_key: (\S+)", text)
-    if full_key and re.search(r"Key '[^']+' (is )?not in", text):
-        obj = re.search(r"object_type=(\w+)", text)
-        key = full_key.group(1)
-        group = key.split(".")[0]
-        if obj and obj.group(1) == "dict" and group in RUNTIME:
-            return unknown_component_key(key, argv, app)
-        keys = sorted(schema_keys(obj.group(1))) if obj else []
-        return f"{key}: unknown key; allowed keys: {', '.join(keys)}"
-    if full_key:
-        return f"{full_key.group(1)}: {str(cause or exc).strip().splitlines()[0]}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " ".join(lines[:2]) if lines else type(exc).__name__
 

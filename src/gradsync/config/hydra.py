@@ -3,14 +3,17 @@
 wrong type or an unknown key fails at composition), where the YAML files are, composition, and
 the overrides gradsync rewrites before Hydra reads them. Only this package and run/ (the entry
 point, its callbacks, the search, the summary's override parser) import Hydra or OmegaConf
-(make lint holds it: pyproject.toml [tool.importlinter]).
+(make lint holds it: pyproject.toml [tool.importlinter]). Hydra's public API only
+(hydra.compose, initialize_config_dir, its ConfigStore and exception types), never hydra._internal.
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +37,6 @@ class Config:
     lr_scaling: Any = MISSING
     seed: int = 0
     resume: str = "none"  # none | auto | a checkpoint file or run dir
-
-
-SCHEMAS_BY_NAME: dict[str, type] = {
-    cls.__name__: cls for options in SCHEMA_GROUPS.values() for cls in options.values()
-} | {"Config": Config}
 
 
 # hydra/sweeper=optuna's class (a search: run/search.py); Hydra takes sweepers from
@@ -89,11 +87,6 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     return plain  # type: ignore[return-value]
 
 
-def schema_keys(type_name: str) -> list[str]:
-    cls = SCHEMAS_BY_NAME.get(type_name)
-    return [f.name for f in fields(cls)] if cls else []
-
-
 def conf_dir() -> str:
     """The configs: the repo's top-level conf/ when running from a source checkout (an editable
     install: people read and edit them there), else the copy shipped inside the package."""
@@ -133,46 +126,60 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
         return hydra_compose("config", overrides=replace_mappings(overrides))
 
 
+def command_line(argv: list[str]) -> argparse.Namespace:
+    """The parts of a gradsync-train command line that decide what Hydra composes: its
+    overrides, --config-dir, --config-path, --config-name, --multirun (the rest of Hydra's
+    flags are taken and ignored)."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--config-dir", "-cd")
+    parser.add_argument("--config-path", "-cp")
+    parser.add_argument("--config-name", "-cn")
+    parser.add_argument("--multirun", "-m", action="store_true")
+    for flag, short in (("--cfg", "-c"), ("--package", "-p"), ("--info", "-i")):
+        parser.add_argument(flag, short, nargs="?")
+    args, _ = parser.parse_known_args(argv)
+    return args
+
+
 def compose_command_line(argv: list[str], app: Callable[..., Any],
                          leave_out: str) -> DictConfig | None:
-    """The config Hydra composes for this command line as the entry point's app ``app`` would
-    (Hydra's own argument parser and search path: --config-dir, --config-path, --config-name,
-    hydra.searchpath, experiment presets), without the overrides of key ``leave_out``: what a
-    composition that failed on that key chose. None where it cannot tell (a multirun that
-    sweeps, or a composition that fails for another reason). Mirrors hydra's _run_hydra
-    (Hydra 1.3), the one place that knows its internals."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import (
-        create_automatic_config_search_path,
-        detect_calling_file_or_module_from_task_function,
-        get_args_parser,
-    )
-    from hydra.core.config_search_path import SearchPathQuery
+    """The config Hydra composes for this command line (its overrides, --config-dir,
+    --config-path, --config-name, hydra.searchpath, experiment presets) as the entry point's app
+    ``app`` composes it, without the overrides of key ``leave_out``: what a composition that
+    failed on that key chose. Through Hydra's public compose API (a --config-dir joins the
+    search path as hydra.searchpath does). None where it cannot tell (a multirun that sweeps,
+    or a composition that fails for another reason)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.types import RunMode
 
     try:
-        args = get_args_parser().parse_args(argv)
+        args = command_line(argv)
         parsed = OverridesParser.create().parse_overrides(args.overrides)
     except Exception:
         return None
     if args.multirun and any(o.is_sweep_override() for o in parsed):
         return None  # which job failed is the sweeper's to know
     kept = [str(o.input_line) for o in parsed if o.key_or_group.lstrip("+~") != leave_out]
-    calling_file, calling_module = detect_calling_file_or_module_from_task_function(app)
-    search_path = create_automatic_config_search_path(calling_file, calling_module,
-                                                      args.config_path or CONF_DIR)
+    config_dir = Path(args.config_path or CONF_DIR)
+    if not config_dir.is_absolute():  # Hydra's --config-path: relative to the app's file
+        config_dir = Path(inspect.getfile(inspect.unwrap(app))).parent / config_dir
     if args.config_dir is not None:
-        search_path.prepend(provider="command-line",
-                            path=f"file://{os.path.abspath(args.config_dir)}",
-                            anchor=SearchPathQuery(provider="schema"))
+        searched = [o for o in parsed if o.key_or_group == "hydra.searchpath"]
+        extra = f"file://{os.path.abspath(args.config_dir)}"
+        if searched:  # the command line's own hydra.searchpath, the --config-dir first
+            kept.remove(str(searched[0].input_line))
+            paths = [extra, *searched[0].value()]  # type: ignore[misc]
+        else:
+            paths = [extra]
+        kept.append(f"hydra.searchpath=[{','.join(paths)}]")
     register_configs()
     GlobalHydra.instance().clear()
     try:
-        hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=search_path)
-        return hydra.compose_config(args.config_name or "config", kept,
-                                    run_mode=RunMode.MULTIRUN if args.multirun else RunMode.RUN)
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return hydra_compose(args.config_name or "config", overrides=replace_mappings(kept))
     except Exception:
         return None
     finally:

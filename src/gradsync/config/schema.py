@@ -176,9 +176,14 @@ class TrainerConfig:
                               "CUDA nccl all-reduces: use auto or process_group")
 
 
+# A window is N micro-batches of micro_batch_size samples on each rank; the schedule decides N.
+MICRO_BATCH_SIZE = 16
+
+
 @dataclass
 class ConstantScheduleConfig:
     name: str = "constant"
+    micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     accum_steps: int = 1
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
@@ -192,6 +197,7 @@ class EpochwiseScheduleConfig:
     """Like Lightning's GradientAccumulationScheduler: {first_epoch: accum_steps}."""
 
     name: str = "epochwise"
+    micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     # dict[int, int]; typed Any so that an override can replace the mapping (config/hydra.py)
     accum_steps_by_epoch: Any = field(default_factory=lambda: {0: 1})
 
@@ -214,13 +220,14 @@ class GlobalBatchScheduleConfig:
     """N = global_batch_size / (world_size * micro_batch_size); must divide exactly."""
 
     name: str = "global_batch"
+    micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     global_batch_size: int = 256
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
         check_types(self, "schedule")
         gb, per_window = self.global_batch_size, world_size * micro_batch_size
         require(gb >= 1 and gb % per_window == 0, "schedule.global_batch_size",
-                f"a positive multiple of world_size x data.micro_batch_size = {world_size} x "
+                f"a positive multiple of world_size x schedule.micro_batch_size = {world_size} x "
                 f"{micro_batch_size} = {per_window}", gb)
 
 
@@ -231,6 +238,7 @@ class AdaptiveScheduleConfig:
     steps (docs/noise-scale.md)."""
 
     name: str = "adaptive"
+    micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     scale: float = 1.0  # target global batch / B_simple
     initial_accum_steps: int = 1  # until the first decision
     min_accum_steps: int = 1
@@ -274,7 +282,7 @@ class LRScalingConfig:
 
     name: str = "none"
     # the global batch (samples) the optimizer's LR is set for; 0: the first window's,
-    # world size x data.micro_batch_size x the schedule's first N
+    # world size x schedule.micro_batch_size x the schedule's first N
     reference_batch: int = 0
 
     def check(self) -> None:
@@ -350,9 +358,8 @@ class Component:
     partial: bool = False
 
     @classmethod
-    def from_node(cls, node: dict[str, Any], extra: tuple[str, ...] = ()) -> Component:
-        args = {k: v for k, v in node.items()
-                if k not in ("_target_", "_partial_") and k not in extra}
+    def from_node(cls, node: dict[str, Any]) -> Component:
+        args = {k: v for k, v in node.items() if k not in ("_target_", "_partial_")}
         return cls(node["_target_"], args, bool(node.get("_partial_", False)))
 
     @property
@@ -363,7 +370,6 @@ class Component:
 
 
 COMPONENTS = ("model", "data", "sync", "optimizer", "lr_scheduler")
-DATA_EXTRA = ("micro_batch_size",)  # keys of the data node that the loop reads, not the target
 
 
 @dataclass
@@ -376,7 +382,6 @@ class RunConfig:
     sync: Component
     optimizer: Component
     lr_scheduler: Component
-    micro_batch_size: int  # data.micro_batch_size: samples per rank per micro-batch
     schedule: ScheduleConfig
     precision: PrecisionConfig
     trainer: TrainerConfig
@@ -391,9 +396,13 @@ class RunConfig:
             known = {f.name for f in fields(kind)}
             return kind(**{k: v for k, v in node.items() if k in known})
 
-        return cls(**{k: Component.from_node(plain[k], DATA_EXTRA if k == "data" else ())
-                      for k in COMPONENTS},
-                   micro_batch_size=plain["data"]["micro_batch_size"],
+        data = plain["data"]
+        if "micro_batch_size" in data and "micro_batch_size" not in plain["schedule"]:
+            # a config a checkpoint recorded before data.micro_batch_size was renamed
+            plain = plain | {"data": {k: v for k, v in data.items() if k != "micro_batch_size"},
+                             "schedule": plain["schedule"] | {
+                                 "micro_batch_size": data["micro_batch_size"]}}
+        return cls(**{k: Component.from_node(plain[k]) for k in COMPONENTS},
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
@@ -401,9 +410,13 @@ class RunConfig:
                    lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
 
+    @property
+    def micro_batch_size(self) -> int:
+        """schedule.micro_batch_size: samples per rank per micro-batch."""
+        return self.schedule.micro_batch_size
+
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
-        out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
         for group in ("schedule", "precision", "trainer", "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}

@@ -3,7 +3,7 @@
 Model initialisation draws from the run seed alone (identical on every rank and for every world
 size); everything a rank draws afterwards (dropout, say) comes from its own stream, derived from
 (seed, rank), so ranks never share random numbers by accident; data is built and loaded from
-streams of its own (data/bundle.py).
+streams of its own (data/loader.py, data/contract.py).
 """
 
 from __future__ import annotations

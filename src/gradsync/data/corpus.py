@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, describes, require
-from gradsync.data.bundle import DataBundle, provides, token_bundle
+from gradsync.data.contract import DataBundle, provides
+from gradsync.data.tokens import token_bundle
 
 VOCAB = 256  # bytes
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})

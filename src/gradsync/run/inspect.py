@@ -5,26 +5,24 @@ is trained and no run dir is made."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
-from gradsync.data.bundle import build_data
+from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.data.contract import build_data
 from gradsync.models import build_on_meta
 from gradsync.sync.layer_sync import REST, ParamInfo, assign, parameter_infos, parse_rules
 
 INSPECT_PARAMS = "+inspect=params"
 
 
-def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int,
-               extra: Iterable[str] = ("micro_batch_size",)) -> nn.Module:
-    """Build the data (for the model's sizes; once per process: build_data) and the model on
+def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int) -> nn.Module:
+    """Build the data (for the model's sizes: build_data) and the model on
     the meta device (no memory for the weights; on the CPU if the model cannot be built
     there)."""
-    data = build_data(data_node, seed, tuple(extra))
+    data = build_data(data_node, seed)
     return build_on_meta(model_node, data.sizes)
 
 
@@ -53,10 +51,9 @@ def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:
     return "\n".join(lines)
 
 
-
 def parameters_table(cfg: RunConfig) -> str:
     sync = cfg.sync.args
-    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
+    model = meta_model(cfg.model.node, cfg.data.node, cfg.seed)
     table = parameter_table(parameter_infos(model), sync.get("groups"),
                             sync.get("comm_dtype", "fp32"))
     if cfg.trainer.engine not in SHARDED_ENGINES:

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from gradsync.config.schema import RunConfig
 from gradsync.core.lifeline import ENV as LAUNCHER_ENV
 from gradsync.core.lifeline import bind_from_environment
-from gradsync.data.bundle import forget_built_data
 from gradsync.run.faults import (
     exit_now,
     process_stat,
@@ -163,7 +162,6 @@ def launch(cfg: RunConfig, placement: Placement, run_dir: Path,
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)
-        forget_built_data()  # the config check's data: the ranks have their own
         watch.supervise()
     finally:
         for sig, handler in previous.items():

@@ -34,7 +34,7 @@ from gradsync.config.hydra import (
     to_plain,
 )
 from gradsync.config.schema import RunConfig
-from gradsync.config.validate import EXTRA, RUNTIME, ConfigError, validate
+from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.ranks import is_rank0
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
@@ -49,6 +49,7 @@ from gradsync.run.launch import (
     rank0_now,
 )
 from gradsync.run.placement import Placement, check_cuda, env_launched, place_job
+from gradsync.run.preflight import preflight
 from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
 from gradsync.train.checkpoint import ResumeError, resolve_resume
 from gradsync.train.metrics import final_metrics, flat_hparams, write_hparams
@@ -89,7 +90,7 @@ def hydra_main(cfg: DictConfig) -> dict[str, Any]:
     staged = run_dir / hc.output_subdir if hc.output_subdir else None
     if _inspecting:
         try:
-            print(parameters_table(validate(to_plain(cfg))))
+            print(parameters_table(preflight(to_plain(cfg))))
         except Exception as e:  # raised inside Hydra's job, which would print its own line
             if _traceback_wanted():
                 raise
@@ -109,7 +110,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         plain = to_plain(composed)
         tr = plain["trainer"]
         placement = place_job(tr["backend"], tr["devices"])
-        cfg = validate(plain, placement)
+        cfg = preflight(plain, placement)
         if placement.backend == "nccl":
             check_cuda(placement, cfg.precision.name)
     except Exception as e:  # a component's own check may raise anything: still one line
@@ -233,7 +234,7 @@ def _write_run_info(cfg: RunConfig, placement: Placement, run_dir: Path) -> None
                     resumed)
     info["launched_by"] = placement.launched_by
     for group in RUNTIME:  # what a component says of itself: e.g. a corpus's SHA-256
-        described = describe(plain[group], RUNTIME[group], EXTRA.get(group, ()))
+        described = describe(plain[group], RUNTIME[group])
         if described is not None:
             info[group] = described
     write_run_info(run_dir / "run_info.json", info)

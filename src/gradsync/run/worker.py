@@ -21,7 +21,9 @@ from gradsync.config.schema import SHARDED_ENGINES, RunConfig
 from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import seed_everything, seed_rank
-from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
+from gradsync.data.contract import FirstBatchChecked, build_data
+from gradsync.data.evaluation import evaluate
+from gradsync.data.loader import train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import TRACE_DIR, SyncTrace
@@ -76,8 +78,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     memory = MemoryMeter(device)
     set_deterministic(tr.deterministic, device.type)
     seed_everything(seed)  # the same on every rank and for every world size: model init
-    # built by the config check when this rank was forked from it (or checked it itself)
-    data = build_data(cfg.data.node, seed, take=True)
+    data = build_data(cfg.data.node, seed)
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
                                    tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model.node, data.sizes).to(device)
@@ -166,7 +167,6 @@ def run_training(cfg: RunConfig, run_dir: Path,
             checkpoint.write(out, ckpt_dir, tr.keep_checkpoints)
 
     p.checkpoint = save
-    p.after_window.append(p.engine.memory.after_window)  # the CPU's peak memory: train/memory.py
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     if p.engine.trace:  # the job process merges the ranks' files into trace.json
         p.engine.trace.open(run_dir / TRACE_DIR / f"rank{rank}.jsonl")
@@ -202,7 +202,6 @@ def run_training(cfg: RunConfig, run_dir: Path,
             elif is_rank0() and newest:
                 checkpoint.link_last(newest[0])
         finally:
-            p.engine.memory.stop()  # a traced window the run ended in (train/memory.py)
             run_log.close()
     finally:
         if p.engine.trace:

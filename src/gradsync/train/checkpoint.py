@@ -275,7 +275,7 @@ def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world:
                    new_window: int, new_world: int) -> tuple[int, int] | None:
     """Where a checkpoint stands in its epoch, as the windows of new_window micro-batches on
     new_world ranks cut it: (epoch, windows done). Every rank's window k holds the global sample
-    positions [k W N m, (k+1) W N m) of the epoch (data/bundle.py train_loader: the same global
+    positions [k W N m, (k+1) W N m) of the epoch (data/loader.py train_loader: the same global
     order on any world size), so the position carries over when the samples consumed are a
     whole number of the new windows. None when they are not."""
     from gradsync.config.schema import RunConfig

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.config.schema import TrainerConfig
 from gradsync.core.devices import on_device
-from gradsync.data.bundle import epoch_batches
+from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy

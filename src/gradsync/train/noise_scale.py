@@ -81,7 +81,7 @@ def measures(cfg: RunConfig) -> bool:
 
 def check(cfg: RunConfig, world_size: int, policy: SyncPolicy) -> None:
     """What the measurement needs from the rest of the config (before any worker starts).
-    policy: the run's sync policy, as the config check built it (config/validate.py
+    policy: the run's sync policy, as the config check built it (run/preflight.py
     check_policy)."""
     if not measures(cfg):
         return
