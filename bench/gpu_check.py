@@ -535,7 +535,7 @@ POLICIES: list[Costs] = [
     Costs("adaptive schedule (every 2)",
           ["schedule=adaptive", f"schedule.initial_accum_steps={ACCUM}",
            f"schedule.min_accum_steps={ACCUM}", f"schedule.max_accum_steps={ACCUM}",
-           "schedule.every=2"], 0.5, 0.5, (NOISE,),
+           "schedule.every_steps=2"], 0.5, 0.5, (NOISE,),
           "1/2 (the noise scale's flush every `every` steps)"),
     Costs("gradient_as_bucket_view=false", ["trainer.gradient_as_bucket_view=false"], 0, 0),
     Costs("find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,

@@ -4,6 +4,7 @@ input fails with one line, exit code 2, no worker and no run dir."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch.utils.data import default_collate
 
 from gradsync.components import build, locate, parameters
 from gradsync.config.hydra import register_configs
+from gradsync.config.renames import RENAMED
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError, validate
 from gradsync.run.main import CONF_DIR, compose_plain
@@ -410,3 +412,42 @@ def test_a_target_that_takes_no_keys_says_so_for_the_keys_left_from_another():
         validate(compose_plain(["model._target_=components_for_tests.not_a_model"]))
     assert str(e.value) == ("model.hidden_sizes: unknown key for "
                             "components_for_tests.not_a_model; it takes no keys")
+
+
+# Each renamed option (config/renames.py RENAMED): the choices it needs and a value for it.
+RENAMED_CASES = {
+    "schedule.every": (["schedule=adaptive"], "8"),
+}
+
+
+def test_every_renamed_option_has_a_case():
+    assert set(RENAMED_CASES) == set(RENAMED)
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_CASES))
+def test_a_renamed_option_answers_its_old_name_with_the_new_one(old, tmp_path, monkeypatch,
+                                                                 capsys):
+    """An old name, as an override, from a YAML file of one's own, or in a composed config:
+    one line naming the new name, exit 2, nothing started."""
+    choices, value = RENAMED_CASES[old]
+    new = RENAMED[old].split()[0]
+    expected = f"{old} was renamed: use {RENAMED[old]}"
+    assert entry_point_error([*choices, f"{old}={value}"], tmp_path, tmp_path, monkeypatch,
+                             capsys) == expected
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        compose_plain([*choices, f"{old}={value}"])
+    # a preset of one's own that still sets the old name
+    group, key = old.rsplit(".", 1)
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "old.yaml").write_text(
+        f"# @package _global_\n{group}:\n  {key}: {value}\n")
+    assert entry_point_error(["--config-dir", "conf", *choices, "experiment=old"], tmp_path,
+                             tmp_path / "x", monkeypatch, capsys) == expected
+    # the composed config, as validate() gets it (a component's key passes Hydra's schema)
+    plain = compose_plain([*choices, f"{new}={value}"])
+    node = plain
+    for part in group.split("."):
+        node = node[part]
+    node[key] = yaml.safe_load(value)
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        validate(plain)

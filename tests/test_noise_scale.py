@@ -148,7 +148,7 @@ def test_the_noise_scale_converges_to_the_exact_values_of_the_data_set(pool2, tm
 # --- the adaptive schedule and AdaScale: identical on every rank, bitwise on resume ----------
 ADAPTIVE = [*(o for o in EXACT_RESUME if not o.startswith("schedule.")), "schedule=adaptive",
             "schedule.initial_accum_steps=4", "schedule.min_accum_steps=1",
-            "schedule.max_accum_steps=4", "schedule.every=2",
+            "schedule.max_accum_steps=4", "schedule.every_steps=2",
             "lr_scaling=adascale", "lr_scaling.reference_batch=32",
             "trainer.noise_scale_decay=0.5", "trainer.max_epochs=3", "trainer.log_every=3",
             "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]

@@ -95,7 +95,7 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("schedule=adaptive", "schedule.initial_accum_steps"): [0, -1, 2**21],
     ("schedule=adaptive", "schedule.min_accum_steps"): [0, -1, 10**9],
     ("schedule=adaptive", "schedule.max_accum_steps"): [0, -1, 2**21],
-    ("schedule=adaptive", "schedule.every"): [0, -1],
+    ("schedule=adaptive", "schedule.every_steps"): [0, -1],
     ("", "lr_scaling.name"): ["cubic", ""],
     ("", "lr_scaling.reference_batch"): [-1],
     ("precision=fp16", "precision.name"): ["fp64", "int8"],

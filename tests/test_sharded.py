@@ -292,7 +292,8 @@ def test_a_sharded_checkpoint_is_a_directory_with_every_files_digest(runs, tmp_p
     with pytest.raises(checkpoint.ResumeError, match="sha256 differs"):
         checkpoint.verify(newest)
     notes: list[str] = []
-    assert checkpoint.resolve_resume("auto", tmp_path / "run", out["cfg"], 2, notes) == \
+    assert checkpoint.resolve_resume("auto", tmp_path / "run", out["cfg"], 2, notes,
+                                     sharded=True) == \
         (ckpts / "step_00000004.dcp").resolve()
     assert notes and "step_00000005.dcp: corrupt" in notes[0]
 
@@ -302,26 +303,26 @@ def test_resume_across_engines_and_world_sizes_is_refused_where_it_cannot_hold(r
     ddp, fsdp = runs("ddp accumulate", MLP), runs("fsdp boundary", EXACT["fsdp boundary"][1])
     ddp_ckpt = checkpoint.complete(ddp["dir"] / "checkpoints")[0]
     with pytest.raises(checkpoint.ResumeError, match="written by 2 processes, this run has 1"):
-        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, ddp["cfg"], 1, [])
+        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, ddp["cfg"], 1, [], sharded=False)
     with pytest.raises(checkpoint.ResumeError, match="replicated model's checkpoint; this run "
                                                      "has trainer.engine=fsdp"):
-        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, fsdp["cfg"], 2, [])
+        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, fsdp["cfg"], 2, [], sharded=True)
     # with the global batch fixed, every world size that divides it cuts the same windows
     step_4 = fsdp["dir"] / "checkpoints" / "step_00000004.dcp"
     for world in (1, 3):
-        assert checkpoint.resolve_resume(str(step_4), tmp_path, fsdp["cfg"], world, []) == \
-            step_4.resolve()
+        assert checkpoint.resolve_resume(str(step_4), tmp_path, fsdp["cfg"], world, [],
+                                         sharded=True) == step_4.resolve()
     with pytest.raises(checkpoint.ResumeError, match="is a sharded checkpoint"):
-        checkpoint.resolve_resume(str(step_4), tmp_path, ddp["cfg"], 2, [])
+        checkpoint.resolve_resume(str(step_4), tmp_path, ddp["cfg"], 2, [], sharded=False)
     # with N fixed instead (3 micro-batches of 8 per window), step 4 is window 4 of the epoch on
     # 2 ranks: 4 x 3 x 8 x 2 = 192 samples, a whole number of 1 rank's windows (24 samples) but
     # not of 3 ranks' (72)
     constant = fsdp["cfg"] | {"schedule": {"name": "constant", "accum_steps": 3}}
     meta = checkpoint.verify(step_4) | {"config": constant}
-    checkpoint.refuse_incompatible(step_4, meta, constant, 1)
+    checkpoint.refuse_incompatible(step_4, meta, constant, 1, sharded=True)
     with pytest.raises(checkpoint.ResumeError, match="stopped after window 4 of epoch 0 on 2 "
                                                      "ranks, which is not a window boundary on 3"):
-        checkpoint.refuse_incompatible(step_4, meta, constant, 3)
+        checkpoint.refuse_incompatible(step_4, meta, constant, 3, sharded=True)
 
 
 KILLED = [*MLP, "model.dropout=0.1", *FSDP, *CHECKPOINTS]  # dropout: every rank's RNG matters

@@ -10,6 +10,7 @@ from typing import Any
 from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
 from gradsync.config import validate
 from gradsync.config.hydra import compose_command_line, node_of, schema_keys
+from gradsync.config.renames import renamed
 from gradsync.config.validate import RUNTIME, runtime_arguments
 
 
@@ -34,6 +35,8 @@ def one_line(exc: BaseException, argv: Sequence[str] = (),
     if full_key and re.search(r"Key '[^']+' (is )?not in", text):
         obj = re.search(r"object_type=(\w+)", text)
         key = full_key.group(1)
+        if renamed(key):  # an old name, from a YAML file of one's own
+            return renamed(key) or key
         group = key.split(".")[0]
         if obj and obj.group(1) == "dict" and group in RUNTIME:
             return unknown_component_key(key, argv, app)

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import SCHEMA_GROUPS, LossConfig, TrainerConfig
 
 
@@ -127,6 +128,7 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    refuse_renamed_overrides(overrides)
     register_configs()
     with initialize_config_dir(config_dir=config_dir or CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=replace_mappings(overrides))

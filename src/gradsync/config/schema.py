@@ -44,9 +44,6 @@ def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -
                 value)
 
 
-# trainer.engine (gradsync/engines; docs/engines.md, docs/sharded.md)
-ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
-SHARDED_ENGINES = ("fsdp", "hsdp")  # FSDP2: sharded parameters, sharded checkpoints
 ALLREDUCE = ("auto", "shared_memory", "process_group")
 BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
 # Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
@@ -64,12 +61,12 @@ MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-DDP_FIRST_BUCKET_MB = 1.0  # torch's DDPOptimizer: its first bucket, no larger than the others
 
 
 def check_compile(tr: TrainerConfig) -> None:
-    """trainer.compile=true: an engine, backend, mode and bucket size torch.compile can run;
-    false: no compile_* setting (it would do nothing)."""
+    """trainer.compile=true: a backend and mode torch.compile can run (the engine's bucket size:
+    engines/ capabilities, config/validate.py check_engine); false: no compile_* setting (it
+    would do nothing)."""
     if not tr.compile:
         for key in ("compile_backend", "compile_mode", "compile_dynamic"):
             if getattr(tr, key) != TrainerConfig.__dataclass_fields__[key].default:
@@ -87,10 +84,6 @@ def check_compile(tr: TrainerConfig) -> None:
         require(tr.compile_backend == "inductor", "trainer.compile_mode",
                 "null with trainer.compile_backend other than inductor (modes are inductor's)",
                 tr.compile_mode)
-    if tr.engine == "torch_ddp" and tr.bucket_cap_mb < DDP_FIRST_BUCKET_MB:
-        raise ConfigError(f"trainer.bucket_cap_mb={tr.bucket_cap_mb} with trainer.compile=true: "
-                          f"torch's DDPOptimizer needs buckets of at least {DDP_FIRST_BUCKET_MB:g}"
-                          " MB (its first bucket's size)")
 
 
 @dataclass
@@ -101,7 +94,7 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    engine: str = "torch_ddp"  # the data-parallel engine: torch_ddp | gradsync | fsdp | hsdp
+    engine: str = "torch_ddp"  # the data-parallel engine: gradsync.engines.ENGINES
     # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
     # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
     # dimension (0: one replica per host)
@@ -160,8 +153,6 @@ class TrainerConfig:
                 self.bucket_cap_mb)
         require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
                 self.backend)
-        require(self.engine in ENGINES, "trainer.engine", f"one of {', '.join(ENGINES)}",
-                self.engine)
         require(self.allreduce in ALLREDUCE, "trainer.allreduce",
                 f"one of {', '.join(ALLREDUCE)}", self.allreduce)
         require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
@@ -227,21 +218,21 @@ class GlobalBatchScheduleConfig:
 @dataclass
 class AdaptiveScheduleConfig:
     """N follows the measured gradient noise scale: the global batch is kept near scale x
-    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every` optimizer
-    steps (docs/noise-scale.md)."""
+    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every_steps`
+    optimizer steps (docs/noise-scale.md)."""
 
     name: str = "adaptive"
     scale: float = 1.0  # target global batch / B_simple
     initial_accum_steps: int = 1  # until the first decision
     min_accum_steps: int = 1
     max_accum_steps: int = 16
-    every: int = 10  # optimizer steps between decisions: N changes at most this often
+    every_steps: int = 10  # optimizer steps between decisions: N changes at most this often
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
         check_types(self, "schedule")
         _in_range(self, "schedule", {"initial_accum_steps": (1, MAX_ACCUM), "min_accum_steps":
                                      (1, MAX_ACCUM), "max_accum_steps": (1, MAX_ACCUM),
-                                     "every": (1, None)})
+                                     "every_steps": (1, None)})
         require(finite(self.scale) and self.scale > 0, "schedule.scale", "a finite number > 0",
                 self.scale)
         require(self.min_accum_steps <= self.max_accum_steps, "schedule.max_accum_steps",

@@ -26,15 +26,16 @@ from gradsync.components import (
     require,
     require_fits,
 )
+from gradsync.config.renames import refuse_renamed_keys
 from gradsync.config.schema import (
     COMPONENTS,
     DATA_EXTRA,
     SCHEMA_GROUPS,
-    SHARDED_ENGINES,
     TOP_KEYS,
     RunConfig,
 )
 from gradsync.data.bundle import build_data, check_bundle
+from gradsync.engines import able, capabilities
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
@@ -167,10 +168,10 @@ def check_policy(cfg: RunConfig, world: int) -> Any:
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
     policy = as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
-    if decides_per_bucket(policy) and cfg.trainer.engine != "gradsync":
+    if decides_per_bucket(policy) and not capabilities(cfg.trainer.engine).per_bucket:
         raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
                           f"(sync_bucket), which trainer.engine={cfg.trainer.engine} cannot "
-                          "carry out: set trainer.engine=gradsync")
+                          f"carry out: set trainer.engine={' or '.join(able('per_bucket'))}")
     return policy
 
 
@@ -183,17 +184,21 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
     from gradsync.engines.fsdp import check_config
 
     tr = cfg.trainer  # sync_batchnorm on CPU ranks: refused by TrainerConfig.check
-    if tr.engine in SHARDED_ENGINES:
-        for key in ("trace_sync", "sync_batchnorm"):
-            require(not getattr(tr, key), f"trainer.{key}",
-                    f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
-                    "gradsync)", getattr(tr, key))
+    can = capabilities(tr.engine)
+    for key in ("trace_sync", "sync_batchnorm"):
+        require(not getattr(tr, key) or getattr(can, key), f"trainer.{key}",
+                f"false with trainer.engine={tr.engine} (the DDP engines only: "
+                f"{', '.join(able(key))})", getattr(tr, key))
+    if tr.compile and tr.bucket_cap_mb < can.compile_min_bucket_mb:
+        raise ConfigError(f"trainer.bucket_cap_mb={tr.bucket_cap_mb} with trainer.compile=true: "
+                          f"torch's DDPOptimizer needs buckets of at least "
+                          f"{can.compile_min_bucket_mb:g} MB (its first bucket's size)")
     from torch.nn.modules.batchnorm import _BatchNorm
 
     if tr.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
         raise ConfigError(f"trainer.sync_batchnorm=true: the model ({cfg.model.target}) has no "
                           "BatchNorm layer to synchronise")
-    check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
+    check_config(cfg.trainer.engine, can, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
                  policy=lambda: policy, model=lambda: model)
 
 
@@ -249,6 +254,7 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     """Every check a composed config (plain data) must pass before any worker starts; the
     checked, typed config. placement: where the job's ranks run (the entry point's; default:
     the placement the config's trainer.backend and trainer.devices give here)."""
+    refuse_renamed_keys(plain)
     check_known_keys(plain)
     for group in COMPONENTS:
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
@@ -260,6 +266,7 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
         placement = place_job(plain["trainer"]["backend"], plain["trainer"]["devices"])
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(placement.device_type)
+    engine = capabilities(cfg.trainer.engine)
     require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)
     require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")
@@ -270,5 +277,5 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     model, policy = check_components(plain, cfg, placement.world_size)
     check_engine(cfg, placement.world_size, model, policy)
     cfg.lr_scaling.check()
-    noise_scale.check(cfg, placement.world_size, policy)
+    noise_scale.check(cfg, placement.world_size, policy, engine.gradient_probe)
     return cfg

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import ConfigError, require
-from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -146,18 +146,19 @@ def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> s
 
 
 # --- checks before any worker starts ----------------------------------------------------------
-def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision: str,
-                 world_size: int, policy: Callable[[], SyncPolicy],
+def check_config(engine: str, can: Capabilities, trainer: Any, sync_args: dict[str, Any],
+                 precision: str, world_size: int, policy: Callable[[], SyncPolicy],
                  model: Callable[[], nn.Module]) -> None:
     """What a sharded engine cannot run, and the sharded-only settings on another engine, as
-    one-line ConfigErrors. policy/model: build the run's policy and (meta) model when asked."""
+    one-line ConfigErrors. can: the engine's capabilities; policy/model: build the run's policy
+    and (meta) model when asked."""
     rules = sync_args.get("groups") or []
     defaults = {"reduce_scatter": "boundary", "replica_all_reduce": "same"}
     flavours = [f"sync.{k}={sync_args[k]}" for k, default in defaults.items()
                 if sync_args.get(k, default) != default]
     flavours += [f"sync.groups[{i}].{k}" for i, r in enumerate(rules) if isinstance(r, dict)
                  for k in ("reduce_scatter", "replica_all_reduce") if r.get(k) is not None]
-    if engine not in SHARDED_ENGINES:
+    if not can.sharded:
         if flavours:
             raise ConfigError(f"{flavours[0]} is for sharded engines: set trainer.engine=fsdp or "
                               f"hsdp (trainer.engine={engine} all-reduces whole gradients)")
@@ -182,7 +183,7 @@ def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision
         raise ConfigError(f"trainer.find_unused_parameters with {where}: this torch's FSDP2 has "
                           "no set_reduce_scatter_unused_params (torch >= 2.13); use "
                           "trainer.engine=torch_ddp or gradsync")
-    if engine == "fsdp":
+    if not can.replicas:
         if trainer.replicas != 0:
             raise ConfigError("trainer.replicas is the replicate dimension of trainer.engine="
                               "hsdp; trainer.engine=fsdp shards over every rank")
@@ -248,9 +249,10 @@ class Unit:
 
 
 class FSDPEngine:
-    """The engine around a model already cut into fully_shard units."""
+    """The engine around a model already cut into fully_shard units (trainer.engine=fsdp)."""
 
     transport = "process_group"
+    capabilities = Capabilities(sharded=True)
 
     def __init__(self, name: str, model: nn.Module, units: list[Unit], mesh: dict[str, int],
                  counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None,
@@ -341,6 +343,12 @@ class FSDPEngine:
                            "reduce_scatter": u.plan.sync.reduce_scatter,
                            "replica_all_reduce": u.plan.sync.replica_all_reduce,
                            "reduce_dtype": _dtype_name(u.reduce_dtype)} for u in self.units]}
+
+
+class HSDPEngine(FSDPEngine):
+    """trainer.engine=hsdp: FSDPEngine on a 2-D mesh, shards all-reduced across replicas."""
+
+    capabilities = Capabilities(sharded=True, replicas=True)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -473,9 +481,9 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         units.append(Unit(u, module, reduce_dtype))
     if not find_unused:
         _refuse_unused([u.module for u in units])
-    engine = FSDPEngine(name, model, units, {"replicate": replicate,
-                                             "shard": world_size // replicate}, counts, memory,
-                        param_dtype, find_unused)
+    cls = HSDPEngine if name == "hsdp" else FSDPEngine
+    engine = cls(name, model, units, {"replicate": replicate, "shard": world_size // replicate},
+                 counts, memory, param_dtype, find_unused)
     engine.compiled = compile
     return engine
 

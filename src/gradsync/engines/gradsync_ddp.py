@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -108,6 +109,8 @@ class GradsyncDDP:
     """The engine (engines/base.py's interface); built by ``build_gradsync_ddp``."""
 
     name = "gradsync"
+    capabilities = Capabilities(per_bucket=True, gradient_probe=True, trace_sync=True,
+                                sync_batchnorm=True, shared_memory=True)
 
     def __init__(self, model: nn.Module, policy: SyncPolicy, ignored: list[str],
                  allreduce: CountingState, transport: str, bucket_cap_mb: float = 25.0,

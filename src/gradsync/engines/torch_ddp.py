@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -35,6 +36,10 @@ class TorchDDP:
     """The engine around an already built ``DistributedDataParallel``."""
 
     name = "torch_ddp"
+    # compiled: torch's DDPOptimizer splits the graph at the buckets, its first one no larger
+    # than the others
+    capabilities = Capabilities(gradient_probe=True, trace_sync=True, sync_batchnorm=True,
+                                shared_memory=True, compile_min_bucket_mb=1.0)
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,

@@ -5,7 +5,8 @@ is trained and no run dir is made."""
 
 from __future__ import annotations
 
-from gradsync.config.schema import DATA_EXTRA, SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import DATA_EXTRA, RunConfig
+from gradsync.engines import capabilities
 from gradsync.sync.layer_sync import meta_model, parameter_infos, parameter_table
 
 INSPECT_PARAMS = "+inspect=params"
@@ -16,7 +17,8 @@ def parameters_table(cfg: RunConfig) -> str:
     model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
     table = parameter_table(parameter_infos(model), sync.get("groups"),
                             sync.get("comm_dtype", "fp32"))
-    if cfg.trainer.engine not in SHARDED_ENGINES:
+    can = capabilities(cfg.trainer.engine)
+    if not can.sharded:
         return table
     from gradsync.components import build
     from gradsync.engines.fsdp import unit_table
@@ -25,5 +27,4 @@ def parameters_table(cfg: RunConfig) -> str:
 
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
-    hsdp = cfg.trainer.engine == "hsdp"
-    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, hsdp)}"
+    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, can.replicas)}"

@@ -33,8 +33,10 @@ from gradsync.config.hydra import (
     replace_mappings,
     to_plain,
 )
+from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import EXTRA, RUNTIME, ConfigError, validate
+from gradsync.engines import capabilities
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -216,7 +218,8 @@ def _resolve_resume(cfg: RunConfig, placement: Placement, run_dir: Path) -> str:
     or none."""
     notes: list[str] = []
     try:
-        path = resolve_resume(cfg.resume, run_dir, cfg.to_plain(), placement.world_size, notes)
+        path = resolve_resume(cfg.resume, run_dir, cfg.to_plain(), placement.world_size, notes,
+                              sharded=capabilities(cfg.trainer.engine).sharded)
     finally:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
@@ -286,6 +289,7 @@ def main() -> None:
             f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
     sys.argv[1:] = replace_mappings(sys.argv[1:])
     try:
+        refuse_renamed_overrides(sys.argv[1:])  # an old option's name: one line naming the new
         hydra_main()
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.components import build
-from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import RunConfig
 from gradsync.data.bundle import FirstBatchChecked, build_data, evaluate, train_loader
 from gradsync.engines import build_engine
 from gradsync.engines.compiled import Compile
@@ -159,7 +159,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
                if world_size > 1 else None)
     ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
-    sharded = tr.engine in SHARDED_ENGINES  # checkpoints through torch.distributed.checkpoint
+    # checkpoints through torch.distributed.checkpoint
+    sharded = p.engine.capabilities.sharded
 
     def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
         if sharded:

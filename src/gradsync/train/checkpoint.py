@@ -22,7 +22,6 @@ from typing import IO, Any, cast
 
 import torch
 
-from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.train import dcp_safe
 from gradsync.train.files import replacing
 from gradsync.train.metrics import write_json_atomic
@@ -232,8 +231,10 @@ def newest_intact(ckpt_dir: Path, notes: list[str]) -> tuple[Path, dict[str, Any
 
 
 def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: int,
-                   notes: list[str]) -> Path | None:
-    """Where a run starts from: None (fresh) or an intact, compatible checkpoint.
+                   notes: list[str], *, sharded: bool) -> Path | None:
+    """Where a run starts from: None (fresh) or an intact, compatible checkpoint. sharded:
+    whether the run's engine shards the model (its capabilities), so resumes from a sharded
+    checkpoint.
 
     resume: `none` (refused if the run dir already holds checkpoints: nothing is overwritten),
     `auto` (the newest intact checkpoint in the run dir, falling back past corrupt ones; fresh
@@ -258,7 +259,7 @@ def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: 
     else:
         path = Path(resume)
         meta = verify(path)
-    refuse_incompatible(path, meta, cfg, world_size)
+    refuse_incompatible(path, meta, cfg, world_size, sharded=sharded)
     return path.resolve()
 
 
@@ -317,9 +318,9 @@ MAY_CHANGE = ("trainer.", "resume")
 
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
-                        world_size: int) -> None:
+                        world_size: int, *, sharded: bool) -> None:
     engine = cfg["trainer"]["engine"]
-    if is_sharded(path) != (engine in SHARDED_ENGINES):
+    if is_sharded(path) != sharded:
         kind = "a sharded checkpoint (fsdp, hsdp)" if is_sharded(path) else \
             "a replicated model's checkpoint"
         raise ResumeError(f"{path} is {kind}; this run has trainer.engine={engine}")
