@@ -94,7 +94,7 @@ def job_config(cfg: dict, run_dir: Path) -> RunConfig:
     """The RunConfig a job hands its ranks: `resume` resolved to a checkpoint path, or none."""
     run = RunConfig.from_plain(cfg)
     path = checkpoint.resolve_resume(run.resume, run_dir, cfg, dist.get_world_size(), [],
-                                     sharded=capabilities(run.trainer.engine).sharded)
+                                     sharded=capabilities(run.engine.name).sharded)
     run.resume = str(path) if path else "none"
     return run
 

@@ -30,12 +30,12 @@ COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
 CASES = {"torch_ddp accumulate": ["sync=accumulate"],
          "torch_ddp always": ["sync=always"],
          "torch_ddp local_sgd": ["sync=local_sgd", "sync.every=2"],
-         "gradsync accumulate": ["sync=accumulate", "trainer.engine=gradsync"],
+         "gradsync accumulate": ["sync=accumulate", "engine=gradsync"],
          "torch_ddp diloco": ["sync=diloco", "sync.every=2"],
          "torch_ddp amp_aware bf16": ["sync=amp_aware", "precision=bf16"],
          "torch_ddp powersgd": ["sync=accumulate", "sync.compression=powersgd",
                                 "sync.powersgd_start_step=2"],
-         "fsdp accumulate": ["sync=accumulate", "trainer.engine=fsdp"]}
+         "fsdp accumulate": ["sync=accumulate", "engine=fsdp"]}
 # PowerSGD is approximate: compiled, it ends 2.0e-2 relative from eager (every exact policy: 0).
 # Likely cause, not pinned down: its random projections go tensor by tensor in the order of
 # DDP's bucket, which DDP rebuilds from the order gradients arrive in (a graph at a time)
@@ -91,7 +91,7 @@ def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.bucket_cap_mb=0.5"], "trainer.bucket_cap_mb=0.5 with trainer.compile=true: "
+    (["engine.bucket_cap_mb=0.5"], "engine.bucket_cap_mb=0.5 with trainer.compile=true: "
                                     "torch's DDPOptimizer needs buckets of at least 1 MB"),
     (["trainer.compile_backend=nope"], "trainer.compile_backend='nope' is not allowed: one of"),
     (["trainer.compile_mode=max-autotune"], "trainer.compile_mode='max-autotune' is not "

@@ -168,7 +168,7 @@ def test_two_objectives_record_eval_loss_and_bytes_sent(tmp_path, cli_env):
 def test_objectives_and_directions_are_checked_against_what_the_runs_produce():
     from gradsync.run.search import check_objectives
 
-    cfg = OmegaConf.create({"trainer": {"noise_scale": False, "engine": "torch_ddp"},
+    cfg = OmegaConf.create({"trainer": {"noise_scale": False}, "engine": {"name": "torch_ddp"},
                             "sync": {"_target_": "gradsync.sync.policies.AccumulateSync"}})
     assert check_objectives(["eval_loss", "allreduce_bytes"], "minimize", cfg) == (
         ["eval_loss", "allreduce_bytes"], ["minimize", "minimize"])

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gradsync.config.renames import refuse_renamed_overrides
-from gradsync.config.schema import SCHEMA_GROUPS, LossConfig, TrainerConfig
+from gradsync.config.schema import SCHEMA_GROUPS, EngineConfig, LossConfig, TrainerConfig
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Config:
     precision: Any = MISSING
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     lr_scheduler: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     lr_scaling: Any = MISSING

@@ -14,6 +14,16 @@ from gradsync.components import ConfigError
 RENAMED: dict[str, str] = {
     "schedule.every": "schedule.every_steps (optimizer steps between the adaptive schedule's "
                       "decisions)",
+    # the engine's settings: a group of their own (conf/engine/<name>.yaml, EngineConfig)
+    "trainer.engine": "engine=<name> (a config group: conf/engine/; engine.name in a YAML file)",
+    "trainer.fsdp_units": "engine.fsdp_units",
+    "trainer.replicas": "engine.replicas",
+    "trainer.bucket_cap_mb": "engine.bucket_cap_mb",
+    "trainer.gradient_as_bucket_view": "engine.gradient_as_bucket_view",
+    "trainer.allreduce": "engine.allreduce",
+    "trainer.find_unused_parameters": "engine.find_unused_parameters",
+    "trainer.sync_batchnorm": "engine.sync_batchnorm",
+    "trainer.trace_sync": "engine.trace_sync",
 }
 
 

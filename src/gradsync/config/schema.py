@@ -94,30 +94,15 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    engine: str = "torch_ddp"  # the data-parallel engine: gradsync.engines.ENGINES
-    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
-    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
-    # dimension (0: one replica per host)
-    fsdp_units: str = "auto"
-    replicas: int = 0
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
-    gradient_as_bucket_view: bool = True
-    bucket_cap_mb: float = 25.0
-    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
     timeout_s: int = 300  # process-group timeout
     deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
-    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
-    # a parameter is an error
-    find_unused_parameters: bool = False
-    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
-    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
-    sync_batchnorm: bool = False
     # torch.compile (every engine; docs/components.md "Compile"): its backend (inductor,
     # aot_eager, ...), mode (inductor's: default, reduce-overhead, max-autotune...) and dynamic
     # shapes (null: torch's default, dynamic after the first shape change)
@@ -125,7 +110,6 @@ class TrainerConfig:
     compile_backend: str = "inductor"
     compile_mode: str | None = None
     compile_dynamic: bool | None = None
-    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
     # the gradient noise scale, measured at every synchronising window (docs/noise-scale.md);
@@ -148,22 +132,52 @@ class TrainerConfig:
                 "-1 (never) or an integer >= 1", self.fail_at_step)
         require(finite(self.clip_grad_norm) and self.clip_grad_norm >= 0,
                 "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
-        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
-                "trainer.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
-                self.bucket_cap_mb)
         require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
                 self.backend)
-        require(self.allreduce in ALLREDUCE, "trainer.allreduce",
-                f"one of {', '.join(ALLREDUCE)}", self.allreduce)
         require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
                 "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
+        check_compile(self)
+
+
+@dataclass
+class EngineConfig:
+    """engine=<name> (conf/engine/<name>.yaml): the data-parallel engine, one of
+    gradsync.engines.ENGINES (docs/engines.md, docs/sharded.md), and its settings. A setting
+    the chosen engine does not use is refused (its capabilities: engines/base.py; the sharded
+    engines' checks: engines/fsdp.py check_config)."""
+
+    name: str = "torch_ddp"
+    # the DDP engines (torch_ddp, gradsync)
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
+    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
+    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
+    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
+    sync_batchnorm: bool = False
+    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
+    # a parameter is an error
+    find_unused_parameters: bool = False
+    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
+    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
+    # dimension (0: one replica per host)
+    fsdp_units: str = "auto"
+    replicas: int = 0
+
+    def check(self, device_type: str) -> None:
+        """device_type: where the ranks compute (the job's placement), cpu or cuda."""
+        check_types(self, "engine")
+        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
+                "engine.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
+                self.bucket_cap_mb)
+        require(self.allreduce in ALLREDUCE, "engine.allreduce",
+                f"one of {', '.join(ALLREDUCE)}", self.allreduce)
         if self.sync_batchnorm and device_type != "cuda":
-            raise ConfigError("trainer.sync_batchnorm=true needs CUDA ranks: torch's "
+            raise ConfigError("engine.sync_batchnorm=true needs CUDA ranks: torch's "
                               "SyncBatchNorm computes its statistics on the GPU only (no CPU "
                               "kernel); on CPU ranks each rank keeps its own batch statistics")
-        check_compile(self)
         if self.allreduce == "shared_memory" and device_type == "cuda":
-            raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
+            raise ConfigError("engine.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")
 
 
@@ -371,6 +385,7 @@ class RunConfig:
     schedule: ScheduleConfig
     precision: PrecisionConfig
     trainer: TrainerConfig
+    engine: EngineConfig
     loss: LossConfig
     lr_scaling: LRScalingConfig
     seed: int
@@ -388,6 +403,7 @@ class RunConfig:
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
+                   engine=typed(EngineConfig, plain["engine"]),
                    loss=typed(LossConfig, plain["loss"]),
                    lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
@@ -395,7 +411,7 @@ class RunConfig:
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
         out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
-        for group in ("schedule", "precision", "trainer", "loss", "lr_scaling"):
+        for group in ("schedule", "precision", "trainer", "engine", "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -406,6 +422,7 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "schedule": SCHEDULES,
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
+    "engine": {"default": EngineConfig},
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }

@@ -100,7 +100,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
 
     data_node, model_node = plain["data"], plain["model"]
     ctx = CheckContext("", world, cfg.precision.name, provided={
-        "allreduce": cfg.trainer.allreduce,
+        "allreduce": cfg.engine.allreduce,
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
     builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"), DATA_EXTRA)
     data = check_bundle(built("data", cfg.data.target,
@@ -168,10 +168,10 @@ def check_policy(cfg: RunConfig, world: int) -> Any:
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
     policy = as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
-    if decides_per_bucket(policy) and not capabilities(cfg.trainer.engine).per_bucket:
+    if decides_per_bucket(policy) and not capabilities(cfg.engine.name).per_bucket:
         raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
-                          f"(sync_bucket), which trainer.engine={cfg.trainer.engine} cannot "
-                          f"carry out: set trainer.engine={' or '.join(able('per_bucket'))}")
+                          f"(sync_bucket), which engine={cfg.engine.name} cannot "
+                          f"carry out: set engine={' or '.join(able('per_bucket'))}")
     return policy
 
 
@@ -183,23 +183,23 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
     built them (the model on the meta device, else on the CPU)."""
     from gradsync.engines.fsdp import check_config
 
-    tr = cfg.trainer  # sync_batchnorm on CPU ranks: refused by TrainerConfig.check
-    can = capabilities(tr.engine)
+    eng = cfg.engine  # sync_batchnorm on CPU ranks: refused by EngineConfig.check
+    can = capabilities(eng.name)
     for key in ("trace_sync", "sync_batchnorm"):
-        require(not getattr(tr, key) or getattr(can, key), f"trainer.{key}",
-                f"false with trainer.engine={tr.engine} (the DDP engines only: "
-                f"{', '.join(able(key))})", getattr(tr, key))
-    if tr.compile and tr.bucket_cap_mb < can.compile_min_bucket_mb:
-        raise ConfigError(f"trainer.bucket_cap_mb={tr.bucket_cap_mb} with trainer.compile=true: "
+        require(not getattr(eng, key) or getattr(can, key), f"engine.{key}",
+                f"false with engine={eng.name} (the DDP engines only: "
+                f"{', '.join(able(key))})", getattr(eng, key))
+    if cfg.trainer.compile and eng.bucket_cap_mb < can.compile_min_bucket_mb:
+        raise ConfigError(f"engine.bucket_cap_mb={eng.bucket_cap_mb} with trainer.compile=true: "
                           f"torch's DDPOptimizer needs buckets of at least "
                           f"{can.compile_min_bucket_mb:g} MB (its first bucket's size)")
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    if tr.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
-        raise ConfigError(f"trainer.sync_batchnorm=true: the model ({cfg.model.target}) has no "
+    if eng.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
+        raise ConfigError(f"engine.sync_batchnorm=true: the model ({cfg.model.target}) has no "
                           "BatchNorm layer to synchronise")
-    check_config(cfg.trainer.engine, can, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
-                 policy=lambda: policy, model=lambda: model)
+    check_config(eng, can, cfg.trainer.check_replicas, cfg.sync.node, cfg.precision.name,
+                 world, policy=lambda: policy, model=lambda: model)
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:
@@ -266,7 +266,8 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
         placement = place_job(plain["trainer"]["backend"], plain["trainer"]["devices"])
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(placement.device_type)
-    engine = capabilities(cfg.trainer.engine)
+    cfg.engine.check(placement.device_type)
+    engine = capabilities(cfg.engine.name)
     require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)
     require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")

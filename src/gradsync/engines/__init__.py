@@ -1,6 +1,6 @@
 """Data-parallel engines: what wraps one rank's model and carries out a sync policy's
 decisions. ``base.py`` is the interface the loop talks to; ``ENGINES`` is the one list of
-engines: each ``trainer.engine`` name, its class (whose ``capabilities`` the checks read) and the
+engines: each ``engine=<name>``, its class (whose ``capabilities`` the checks read) and the
 function that builds it. A new engine is its module and one line here."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ENGINES: dict[str, Registered] = {
 
 def capabilities(name: str) -> Capabilities:
     """What engine `name` can carry out; a name no engine has: a one-line ConfigError."""
-    require(name in ENGINES, "trainer.engine", f"one of {', '.join(ENGINES)}", name)
+    require(name in ENGINES, "engine.name", f"one of {', '.join(ENGINES)}", name)
     caps: Capabilities = ENGINES[name].engine.capabilities
     return caps
 

@@ -1,7 +1,7 @@
-"""trainer.engine=gradsync: gradsync's own data-parallel engine, in one module.
+"""engine=gradsync: gradsync's own data-parallel engine, in one module.
 
 What torch's ``DistributedDataParallel`` does in its C++ reducer, written out so that it can be
-read in one sitting, traced (trainer.trace_sync) and extended: with the same bucket partition
+read in one sitting, traced (engine.trace_sync) and extended: with the same bucket partition
 and the same all-reduce it trains the same bits as torch_ddp (tests/test_gradsync_engine.py).
 Its life, each step below commented once where the code does it:
 

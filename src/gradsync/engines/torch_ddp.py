@@ -1,12 +1,12 @@
-"""trainer.engine=torch_ddp: torch's ``DistributedDataParallel``.
+"""engine=torch_ddp: torch's ``DistributedDataParallel``.
 
 DDP's C++ reducer puts the gradients in buckets (reverse parameter order, each up to
-``trainer.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
+``engine.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
 gradients became ready after the first synchronising backward) and all-reduces each bucket as
 soon as it is full, overlapping the rest of the backward. ``no_sync()`` around a micro-batch's
 forward and backward keeps its gradients local. The policy chooses the bucket's all-reduce (its
 ``comm_hook``), which runs inside gradsync's counting hook; on CPU ranks of one host it goes
-through shared memory (``trainer.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
+through shared memory (``engine.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
 TCP.
 """
 
@@ -56,7 +56,7 @@ class TorchDDP:
         self.memory = memory if memory is not None else MemoryMeter(
             next(ddp.module.parameters()).device)
         self.transport = transport
-        # trainer.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
+        # engine.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
         self.trace = trace
         # gradients that are views into DDP's buckets stay so (zeroed); set to None they come
         # back as fresh tensors that DDP copies into the buckets at every syncing backward

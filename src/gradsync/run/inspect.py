@@ -1,6 +1,6 @@
 """``gradsync-train ... +inspect=params``: the model's parameters (name, shape, bytes) and the
 sync.groups rule each one falls under, from the config the same overrides compose; under a
-sharded engine (trainer.engine=fsdp|hsdp) also its FSDP units and how each one reduces. Nothing
+sharded engine (engine=fsdp|hsdp) also its FSDP units and how each one reduces. Nothing
 is trained and no run dir is made."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def parameters_table(cfg: RunConfig) -> str:
     model = meta_model(cfg.model.node, cfg.data.node, cfg.seed, DATA_EXTRA)
     table = parameter_table(parameter_infos(model), sync.get("groups"),
                             sync.get("comm_dtype", "fp32"))
-    can = capabilities(cfg.trainer.engine)
+    can = capabilities(cfg.engine.name)
     if not can.sharded:
         return table
     from gradsync.components import build
@@ -27,4 +27,4 @@ def parameters_table(cfg: RunConfig) -> str:
 
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
-    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, can.replicas)}"
+    return f"{table}\n\n{unit_table(model, cfg.engine.fsdp_units, policy, can.replicas)}"

@@ -161,7 +161,7 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
         try:
             signum, summary = launch(cfg, placement, run_dir, lock)
         finally:  # what every rank recorded, a failed run's too (engines/trace.py)
-            if cfg.trainer.trace_sync and is_rank0():
+            if cfg.engine.trace_sync and is_rank0():
                 _merge_trace(run_dir)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
@@ -219,7 +219,7 @@ def _resolve_resume(cfg: RunConfig, placement: Placement, run_dir: Path) -> str:
     notes: list[str] = []
     try:
         path = resolve_resume(cfg.resume, run_dir, cfg.to_plain(), placement.world_size, notes,
-                              sharded=capabilities(cfg.trainer.engine).sharded)
+                              sharded=capabilities(cfg.engine.name).sharded)
     finally:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)

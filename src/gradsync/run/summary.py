@@ -38,7 +38,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
-    trace = getattr(p.engine, "trace", None)  # trainer.trace_sync
+    trace = getattr(p.engine, "trace", None)  # engine.trace_sync
     a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
     mine: dict[str, Any] = {
             "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
@@ -110,7 +110,7 @@ def compile_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
 
 
 def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """trainer.trace_sync: each rank's mean wait for all-reduces per step (ms) and the fraction
+    """engine.trace_sync: each rank's mean wait for all-reduces per step (ms) and the fraction
     of its all-reduce time that overlapped the backward (engines/trace.py)."""
     if per_rank[0] is None:
         return {}

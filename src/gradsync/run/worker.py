@@ -95,16 +95,17 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay,
                               model.parameters()) if noise.measures(cfg) else None)
     probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
-    engine = build_engine(tr.engine, model=model, policy=policy, device=device,
-                          world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,
-                          gradient_as_bucket_view=tr.gradient_as_bucket_view,
-                          allreduce=tr.allreduce, memory=memory, precision=cfg.precision.name,
-                          fsdp_units=tr.fsdp_units, replicas=tr.replicas,
-                          find_unused_parameters=tr.find_unused_parameters,
-                          sync_batchnorm=tr.sync_batchnorm,
+    eng = cfg.engine
+    engine = build_engine(eng.name, model=model, policy=policy, device=device,
+                          world_size=world_size, counts=counts, bucket_cap_mb=eng.bucket_cap_mb,
+                          gradient_as_bucket_view=eng.gradient_as_bucket_view,
+                          allreduce=eng.allreduce, memory=memory, precision=cfg.precision.name,
+                          fsdp_units=eng.fsdp_units, replicas=eng.replicas,
+                          find_unused_parameters=eng.find_unused_parameters,
+                          sync_batchnorm=eng.sync_batchnorm,
                           compile=Compile(tr.compile_backend, tr.compile_mode,
                                           tr.compile_dynamic) if tr.compile else None,
-                          trace=SyncTrace(rank) if tr.trace_sync else None, **probe)
+                          trace=SyncTrace(rank) if eng.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro,
                               data.tokens_per_sample if unit == "tokens" else 1.0)

@@ -6,7 +6,7 @@ after it and holds its size, sha256, step and config. A checkpoint is complete w
 and intact when the digest matches: torch.load notices a truncated file but not flipped bytes
 inside a tensor. ``last.pt`` is a hard link to the newest checkpoint of the run.
 
-A sharded engine's checkpoint (trainer.engine=fsdp|hsdp; train/sharded_checkpoint.py) is a
+A sharded engine's checkpoint (engine=fsdp|hsdp; train/sharded_checkpoint.py) is a
 directory ``step_<step>.dcp`` that every rank writes its part of; its sidecar lists every file
 with its size and sha256, and the run's ``last.pt`` is a consolidated file of its own.
 """
@@ -313,17 +313,18 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
 
 
 # Whatever a checkpoint's state depends on: only trainer.* (more steps or epochs, cadences,
-# threads...) may change, and the world size may not (each rank's data share and RNG stream).
-MAY_CHANGE = ("trainer.", "resume")
+# threads...) and engine.* (the engine, within its kind: refuse_incompatible) may change, and
+# the world size may not (each rank's data share and RNG stream).
+MAY_CHANGE = ("trainer.", "engine.", "resume")
 
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
                         world_size: int, *, sharded: bool) -> None:
-    engine = cfg["trainer"]["engine"]
+    engine = cfg["engine"]["name"]
     if is_sharded(path) != sharded:
         kind = "a sharded checkpoint (fsdp, hsdp)" if is_sharded(path) else \
             "a replicated model's checkpoint"
-        raise ResumeError(f"{path} is {kind}; this run has trainer.engine={engine}")
+        raise ResumeError(f"{path} is {kind}; this run has engine={engine}")
     if meta["world_size"] != world_size:
         if not is_sharded(path):
             raise ResumeError(f"{path} was written by {meta['world_size']} "

@@ -92,8 +92,8 @@ def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> 
                           "auto, samples or tokens")
     if not probed:
         raise ConfigError(f"{why} is measured inside the all-reduce of an engine with a "
-                          "gradient probe (torch_ddp, gradsync), not trainer.engine="
-                          f"{cfg.trainer.engine}")
+                          "gradient probe (torch_ddp, gradsync), not engine="
+                          f"{cfg.engine.name}")
     if policy.syncs_parameters:
         raise ConfigError(f"{why} is measured around the all-reduce of the gradients; "
                           f"sync ({cfg.sync.target}) averages parameters instead: use a policy "
