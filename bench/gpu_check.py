@@ -528,7 +528,7 @@ POLICIES: list[Costs] = [
           ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
     Costs("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], 0, 0),
     Costs("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], 0, 0),
-    Costs("noise scale", ["trainer.noise_scale=true"], 0, 0, (),
+    Costs("noise scale", ["noise_scale.enabled=true"], 0, 0, (),
           "0 (its numbers ride on a log step's read)"),
     Costs("AdaScale", ["lr_scaling=adascale"], 1, 1, (NOISE,),
           "1 (the noise scale's flush, every window)"),

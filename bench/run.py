@@ -60,7 +60,7 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     # (torch's DDP leaves an nn.Sequential such as this MLP uncompiled: docs/components.md)
     "gradsync accumulate (engine=gradsync) + compile": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine=gradsync",
-                                                                     "trainer.compile=true")}),
+                                                                     "compile.enabled=true")}),
     "gradsync accumulate + trace": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine.trace_sync=true",)}),
     "gradsync accumulate (engine=gradsync) + trace": (

@@ -234,8 +234,9 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
 # and for a component check that raises something other than ConfigError.
 BAD = [
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always, amp_aware"),
-    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: allreduce, backend"),
-    (["+bogus=1"], "bogus: unknown key; allowed keys: data, loss, lr_scaling, lr_scheduler"),
+    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, check_replicas"),
+    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, loss, lr_scaling, "
+                   "lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
@@ -441,6 +442,12 @@ RENAMED_CASES = {
     "trainer.find_unused_parameters": ([], "true"),
     "trainer.sync_batchnorm": ([], "true"),
     "trainer.trace_sync": ([], "true"),
+    "trainer.compile": ([], "true"),
+    "trainer.compile_backend": ([], "aot_eager"),
+    "trainer.compile_mode": ([], "default"),
+    "trainer.compile_dynamic": ([], "false"),
+    "trainer.noise_scale": ([], "true"),
+    "trainer.noise_scale_decay": ([], "0.9"),
 }
 
 

@@ -19,9 +19,11 @@ import yaml
 from gradsync.components import ConfigError, hints, locate, parameters
 from gradsync.config.schema import (
     SCHEDULES,
+    CompileConfig,
     EngineConfig,
     LossConfig,
     LRScalingConfig,
+    NoiseScaleConfig,
     PrecisionConfig,
     TrainerConfig,
 )
@@ -70,16 +72,16 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.fail_at_step"): [0, -2],
     ("", "trainer.requeue"): "true or false: both are choices",
     ("", "engine.find_unused_parameters"): "true or false: both are choices",
-    ("", "trainer.noise_scale"): "true or false: both are choices",
-    ("", "trainer.noise_scale_decay"): [0, -0.5, 1.0, 1.5],
+    ("", "noise_scale.enabled"): "true or false: both are choices",
+    ("", "noise_scale.decay"): [0, -0.5, 1.0, 1.5],
     ("", "engine.trace_sync"): "true or false: both are choices",
     # true needs CUDA ranks, a DDP engine and a model with BatchNorm: none here
     ("", "engine.sync_batchnorm"): [True],
     # true: refused with the default bucket size below 1 MB? no: 25 MB; a backend, a mode
-    ("", "trainer.compile"): "true or false: both are choices",
-    ("", "trainer.compile_backend"): ["nope", ""],
-    ("", "trainer.compile_mode"): ["fastest"],
-    ("", "trainer.compile_dynamic"): "true, false or null (torch's default): all choices",
+    ("", "compile.enabled"): "true or false: both are choices",
+    ("", "compile.backend"): ["nope", ""],
+    ("", "compile.mode"): ["fastest"],
+    ("", "compile.dynamic"): "true, false or null (torch's default): all choices",
     # sharded engines' settings: refused on the DDP engines, checked against the model there
     ("", "engine.fsdp_units"): ["", "nope*", "0"],
     ("", "engine.replicas"): [-1, 5],
@@ -177,6 +179,8 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
     target), those the worker passes at run time left out; optimizers are torch's own."""
     found: dict[tuple[str, str], typing.Any] = {}
     for choice, group, cls in [("", "trainer", TrainerConfig), ("", "engine", EngineConfig),
+                               ("", "compile", CompileConfig),
+                               ("", "noise_scale", NoiseScaleConfig),
                                ("precision=fp16", "precision",
                                                                PrecisionConfig),
                                ("", "loss", LossConfig), ("", "lr_scaling", LRScalingConfig),

@@ -55,7 +55,7 @@ def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env
         rf"gradsync: training failed: rank ({ranks}) failed: UnusedParameters: rank \1: 2 "
         r"parameter\(s\) got no gradient in this synchronising backward: aux\.weight, "
         r"aux\.bias; the forward did not use them, so .*\. Set "
-        r"trainer\.find_unused_parameters=true, or leave them out of the model "
+        r"engine\.find_unused_parameters=true, or leave them out of the model "
         r"\(docs/debugging\.md\)", line), line
     assert "Traceback" not in err and "SIGABRT" not in err and "Timed out" not in err, err
     run_dir = run.run_dir

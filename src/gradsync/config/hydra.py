@@ -17,7 +17,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gradsync.config.renames import refuse_renamed_overrides
-from gradsync.config.schema import SCHEMA_GROUPS, EngineConfig, LossConfig, TrainerConfig
+from gradsync.config.schema import (
+    SCHEMA_GROUPS,
+    CompileConfig,
+    EngineConfig,
+    LossConfig,
+    NoiseScaleConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -30,6 +37,8 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    noise_scale: NoiseScaleConfig = field(default_factory=NoiseScaleConfig)
     lr_scheduler: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     lr_scaling: Any = MISSING

@@ -24,6 +24,13 @@ RENAMED: dict[str, str] = {
     "trainer.find_unused_parameters": "engine.find_unused_parameters",
     "trainer.sync_batchnorm": "engine.sync_batchnorm",
     "trainer.trace_sync": "engine.trace_sync",
+    # torch.compile and the noise scale: their own groups (CompileConfig, NoiseScaleConfig)
+    "trainer.compile": "compile.enabled",
+    "trainer.compile_backend": "compile.backend",
+    "trainer.compile_mode": "compile.mode",
+    "trainer.compile_dynamic": "compile.dynamic",
+    "trainer.noise_scale": "noise_scale.enabled",
+    "trainer.noise_scale_decay": "noise_scale.decay",
 }
 
 

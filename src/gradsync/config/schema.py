@@ -63,29 +63,6 @@ MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile(tr: TrainerConfig) -> None:
-    """trainer.compile=true: a backend and mode torch.compile can run (the engine's bucket size:
-    engines/ capabilities, config/validate.py check_engine); false: no compile_* setting (it
-    would do nothing)."""
-    if not tr.compile:
-        for key in ("compile_backend", "compile_mode", "compile_dynamic"):
-            if getattr(tr, key) != TrainerConfig.__dataclass_fields__[key].default:
-                raise ConfigError(f"trainer.{key}={getattr(tr, key)!r} is for trainer.compile="
-                                  "true (it is false: nothing is compiled)")
-        return
-    from torch._dynamo import list_backends  # a second's import: only when compiling
-
-    backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
-    require(tr.compile_backend in backends, "trainer.compile_backend",
-            f"one of {', '.join(backends)}", tr.compile_backend)
-    if tr.compile_mode is not None:
-        require(tr.compile_mode in COMPILE_MODES, "trainer.compile_mode",
-                f"null or one of {', '.join(COMPILE_MODES)}", tr.compile_mode)
-        require(tr.compile_backend == "inductor", "trainer.compile_mode",
-                "null with trainer.compile_backend other than inductor (modes are inductor's)",
-                tr.compile_mode)
-
-
 @dataclass
 class TrainerConfig:
     devices: int = 2
@@ -103,19 +80,8 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
-    # torch.compile (every engine; docs/components.md "Compile"): its backend (inductor,
-    # aot_eager, ...), mode (inductor's: default, reduce-overhead, max-autotune...) and dynamic
-    # shapes (null: torch's default, dynamic after the first shape change)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_mode: str | None = None
-    compile_dynamic: bool | None = None
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
-    # the gradient noise scale, measured at every synchronising window (docs/noise-scale.md);
-    # also on whenever schedule=adaptive or lr_scaling=adascale needs it
-    noise_scale: bool = False
-    noise_scale_decay: float = 0.95  # of the exponential moving averages, per measured window
 
     def check(self, device_type: str) -> None:
         """device_type: where the ranks compute (the job's placement), cpu or cuda."""
@@ -134,9 +100,57 @@ class TrainerConfig:
                 "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
         require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
                 self.backend)
-        require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
-                "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
-        check_compile(self)
+
+
+@dataclass
+class CompileConfig:
+    """compile.*: torch.compile, on every engine (docs/components.md "Compile"; what each
+    engine compiles: engines/compiled.py): its backend (inductor, aot_eager, ...), mode
+    (inductor's: default, reduce-overhead, max-autotune...) and dynamic shapes (null: torch's
+    default, dynamic after the first shape change)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+
+    def check(self) -> None:
+        """enabled: a backend and mode torch.compile can run (the engine's bucket size: its
+        capabilities, config/validate.py check_engine); off: no other compile.* setting (it
+        would do nothing)."""
+        check_types(self, "compile")
+        if not self.enabled:
+            for key in ("backend", "mode", "dynamic"):
+                if getattr(self, key) != CompileConfig.__dataclass_fields__[key].default:
+                    raise ConfigError(f"compile.{key}={getattr(self, key)!r} is for "
+                                      "compile.enabled=true (it is false: nothing is compiled)")
+            return
+        from torch._dynamo import list_backends  # a second's import: only when compiling
+
+        backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
+        require(self.backend in backends, "compile.backend", f"one of {', '.join(backends)}",
+                self.backend)
+        if self.mode is not None:
+            require(self.mode in COMPILE_MODES, "compile.mode",
+                    f"null or one of {', '.join(COMPILE_MODES)}", self.mode)
+            require(self.backend == "inductor", "compile.mode",
+                    "null with compile.backend other than inductor (modes are inductor's)",
+                    self.mode)
+
+
+@dataclass
+class NoiseScaleConfig:
+    """noise_scale.*: the gradient noise scale, measured at every synchronising window
+    (docs/noise-scale.md); measured also whenever schedule=adaptive or lr_scaling=adascale needs
+    it, enabled or not."""
+
+    enabled: bool = False
+    decay: float = 0.95  # of the exponential moving averages, per measured window
+
+    def check(self) -> None:
+        check_types(self, "noise_scale")
+        require(finite(self.decay) and 0 < self.decay < 1, "noise_scale.decay",
+                "a number in (0, 1)", self.decay)
 
 
 @dataclass
@@ -386,6 +400,8 @@ class RunConfig:
     precision: PrecisionConfig
     trainer: TrainerConfig
     engine: EngineConfig
+    compile: CompileConfig
+    noise_scale: NoiseScaleConfig
     loss: LossConfig
     lr_scaling: LRScalingConfig
     seed: int
@@ -404,6 +420,8 @@ class RunConfig:
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
                    engine=typed(EngineConfig, plain["engine"]),
+                   compile=typed(CompileConfig, plain["compile"]),
+                   noise_scale=typed(NoiseScaleConfig, plain["noise_scale"]),
                    loss=typed(LossConfig, plain["loss"]),
                    lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
@@ -411,7 +429,8 @@ class RunConfig:
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
         out["data"] = out["data"] | {"micro_batch_size": self.micro_batch_size}
-        for group in ("schedule", "precision", "trainer", "engine", "loss", "lr_scaling"):
+        for group in ("schedule", "precision", "trainer", "engine", "compile", "noise_scale",
+                      "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -423,6 +442,8 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
     "engine": {"default": EngineConfig},
+    "compile": {"default": CompileConfig},
+    "noise_scale": {"default": NoiseScaleConfig},
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }

@@ -189,8 +189,8 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
         require(not getattr(eng, key) or getattr(can, key), f"engine.{key}",
                 f"false with engine={eng.name} (the DDP engines only: "
                 f"{', '.join(able(key))})", getattr(eng, key))
-    if cfg.trainer.compile and eng.bucket_cap_mb < can.compile_min_bucket_mb:
-        raise ConfigError(f"engine.bucket_cap_mb={eng.bucket_cap_mb} with trainer.compile=true: "
+    if cfg.compile.enabled and eng.bucket_cap_mb < can.compile_min_bucket_mb:
+        raise ConfigError(f"engine.bucket_cap_mb={eng.bucket_cap_mb} with compile.enabled=true: "
                           f"torch's DDPOptimizer needs buckets of at least "
                           f"{can.compile_min_bucket_mb:g} MB (its first bucket's size)")
     from torch.nn.modules.batchnorm import _BatchNorm
@@ -267,6 +267,8 @@ def validate(plain: dict[str, Any], placement: Placement | None = None) -> RunCo
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(placement.device_type)
     cfg.engine.check(placement.device_type)
+    cfg.compile.check()
+    cfg.noise_scale.check()
     engine = capabilities(cfg.engine.name)
     require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)

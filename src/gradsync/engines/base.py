@@ -59,7 +59,7 @@ class Capabilities:
     sync_batchnorm: bool = False
     # engine.allreduce=shared_memory: CPU ranks of one host all-reduce through shared memory
     shared_memory: bool = False
-    # the smallest engine.bucket_cap_mb with trainer.compile=true (torch's DDPOptimizer: its
+    # the smallest engine.bucket_cap_mb with compile.enabled=true (torch's DDPOptimizer: its
     # first bucket, no larger than the others); 0: any
     compile_min_bucket_mb: float = 0.0
 
@@ -73,7 +73,7 @@ class Engine(Protocol):
     counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
     transport: str  # how the gradients travel: process_group | shared_memory
     trace: SyncTrace | None  # engine.trace_sync's recorder (engines/trace.py), or None
-    compiled: Compile | None  # trainer.compile: how, and its graphs and seconds (compiled.py)
+    compiled: Compile | None  # compile.enabled: how, and its graphs and seconds (compiled.py)
     # the gradient bytes held after each backward (the engine records them on leaving
     # micro_batch()) and the rank's peak memory (train/memory.py)
     memory: MemoryMeter

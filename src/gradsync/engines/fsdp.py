@@ -268,7 +268,7 @@ class FSDPEngine:
         self.counts = counts
         self.memory = memory
         self.trace: SyncTrace | None = None  # engine.trace_sync: the DDP engines only
-        self.compiled: Compile | None = None  # trainer.compile (_build: each unit's forward)
+        self.compiled: Compile | None = None  # compile.enabled (_build: each unit's forward)
         self.param_dtype = param_dtype
         self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 

@@ -117,7 +117,7 @@ class GradsyncDDP:
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.module = model
-        self.compiled: Compile | None = None  # trainer.compile (build_gradsync_ddp)
+        self.compiled: Compile | None = None  # compile.enabled (build_gradsync_ddp)
         self.forward: Any = model  # what a micro-batch runs (compiled or not)
         # the gradient bytes held after each backward (train/memory.py)
         self.memory = memory if memory is not None else MemoryMeter(

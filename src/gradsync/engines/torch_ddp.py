@@ -68,7 +68,7 @@ class TorchDDP:
         # without find_unused_parameters: which parameters the synchronising backward reached
         # (DDP itself would only fail at the next forward, naming none: engines/unused.py)
         self.witness = witness
-        self.compiled: Compile | None = None  # trainer.compile (build_torch_ddp)
+        self.compiled: Compile | None = None  # compile.enabled (build_torch_ddp)
         self.forward: Any = ddp  # what a training micro-batch runs (compiled or not)
 
     def __call__(self, *inputs: Any) -> Any:

@@ -43,8 +43,8 @@ ALWAYS = ("eval_loss", "final_train_loss", "allreduce_bytes", "allreduce_calls",
           "sync_backwards", "samples_per_s", "train_s", "wall_s", "peak_rss_mb")
 # Produced only by some runs: the objective, what produces it, whether the sweep's config does.
 ONLY_WHEN = {
-    "noise_scale": ("trainer.noise_scale=true",
-                    lambda cfg: bool(cfg.trainer.noise_scale)),
+    "noise_scale": ("noise_scale.enabled=true",
+                    lambda cfg: bool(cfg.noise_scale.enabled)),
     "reduce_scatter_bytes": ("a sharded engine (engine=fsdp or hsdp)",
                              lambda cfg: _sharded(cfg.engine.name)),
     "all_gather_bytes": ("a sharded engine (engine=fsdp or hsdp)",

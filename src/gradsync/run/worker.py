@@ -92,7 +92,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                              "world_size": world_size, "counts": counts}),
                        cfg.sync.target)
     unit = resolve(cfg.loss.normalize, data.unit)  # the loss's unit: samples or tokens
-    meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay,
+    meter = (noise.NoiseScale(world_size, device, unit, cfg.noise_scale.decay,
                               model.parameters()) if noise.measures(cfg) else None)
     probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
     eng = cfg.engine
@@ -103,8 +103,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                           fsdp_units=eng.fsdp_units, replicas=eng.replicas,
                           find_unused_parameters=eng.find_unused_parameters,
                           sync_batchnorm=eng.sync_batchnorm,
-                          compile=Compile(tr.compile_backend, tr.compile_mode,
-                                          tr.compile_dynamic) if tr.compile else None,
+                          compile=Compile(cfg.compile.backend, cfg.compile.mode,
+                                          cfg.compile.dynamic) if cfg.compile.enabled else None,
                           trace=SyncTrace(rank) if eng.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro,
@@ -192,7 +192,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
             state = train(p, state, run_log)
             summary = run_summary.summarize(p, state, cfg.seed)
             if p.engine.compiled and not any(summary["compile"]["graphs"]) and is_rank0():
-                log.warning("trainer.compile=true compiled no graph of this model: it ran eager "
+                log.warning("compile.enabled=true compiled no graph of this model: it ran eager "
                             "(docs/components.md \"Compile\": an nn.Sequential under torch's "
                             "DDP is one)")
             newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []

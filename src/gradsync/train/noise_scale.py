@@ -73,7 +73,7 @@ class Divides(Protocol):
 
 def measures(cfg: RunConfig) -> bool:
     """Whether a run measures the noise scale: asked for, or needed by the schedule or the LR."""
-    return (cfg.trainer.noise_scale or cfg.schedule.name == "adaptive"
+    return (cfg.noise_scale.enabled or cfg.schedule.name == "adaptive"
             or cfg.lr_scaling.name == "adascale")
 
 
@@ -84,7 +84,7 @@ def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> 
     where the measurement is taken (its capabilities' gradient_probe)."""
     if not measures(cfg):
         return
-    why = ("trainer.noise_scale=true" if cfg.trainer.noise_scale else
+    why = ("noise_scale.enabled=true" if cfg.noise_scale.enabled else
            "schedule=adaptive" if cfg.schedule.name == "adaptive" else "lr_scaling=adascale")
     if cfg.loss.normalize == "micro_batch_mean":
         raise ConfigError(f"{why} measures the gradient of the mean loss over a window's "
