@@ -129,3 +129,22 @@ def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
     logits = torch.zeros(3, 4)
     assert cross_entropy_per_sample(logits, torch.tensor([0, 1, 2]))[0].sum().item() == \
         pytest.approx(3 * math.log(4))
+
+
+def test_each_engine_declares_what_it_can_carry_out_on_its_class():
+    """The checks ask an engine's capabilities (engines/base.py), never its name."""
+    from gradsync.components import ConfigError
+    from gradsync.engines import ENGINES, able, capabilities
+    from gradsync.engines.fsdp import FSDPEngine, HSDPEngine
+
+    assert list(ENGINES) == ["torch_ddp", "gradsync", "fsdp", "hsdp"]
+    assert [capabilities(n) is ENGINES[n].engine.capabilities for n in ENGINES] == [True] * 4
+    assert able("sharded") == ["fsdp", "hsdp"] and able("replicas") == ["hsdp"]
+    assert able("per_bucket") == ["gradsync"]
+    assert able("gradient_probe") == able("trace_sync") == able("sync_batchnorm") == \
+        able("shared_memory") == ["torch_ddp", "gradsync"]
+    assert [capabilities(n).compile_min_bucket_mb for n in ENGINES] == [1.0, 0.0, 0.0, 0.0]
+    assert issubclass(HSDPEngine, FSDPEngine)
+    with pytest.raises(ConfigError, match=r"^engine.name='ddp' is not allowed: one of torch_ddp, "
+                                          r"gradsync, fsdp, hsdp$"):
+        capabilities("ddp")
