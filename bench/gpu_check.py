@@ -528,21 +528,21 @@ POLICIES: list[Costs] = [
           ("gradsync/sync/averaging.py",), "1/2 (the drift: one per averaging)"),
     Costs("mixed-wire groups", ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"], 0, 0),
     Costs("every-2 groups", ["sync.groups=[{params: '0.*', every: 2}]"], 0, 0),
-    Costs("noise scale", ["trainer.noise_scale=true"], 0, 0, (),
+    Costs("noise scale", ["noise_scale.enabled=true"], 0, 0, (),
           "0 (its numbers ride on a log step's read)"),
     Costs("AdaScale", ["lr_scaling=adascale"], 1, 1, (NOISE,),
           "1 (the noise scale's flush, every window)"),
     Costs("adaptive schedule (every 2)",
           ["schedule=adaptive", f"schedule.initial_accum_steps={ACCUM}",
            f"schedule.min_accum_steps={ACCUM}", f"schedule.max_accum_steps={ACCUM}",
-           "schedule.every=2"], 0.5, 0.5, (NOISE,),
+           "schedule.every_steps=2"], 0.5, 0.5, (NOISE,),
           "1/2 (the noise scale's flush every `every` steps)"),
-    Costs("gradient_as_bucket_view=false", ["trainer.gradient_as_bucket_view=false"], 0, 0),
-    Costs("find_unused_parameters", ["trainer.find_unused_parameters=true"], None, 0,
+    Costs("gradient_as_bucket_view=false", ["engine.gradient_as_bucket_view=false"], 0, 0),
+    Costs("find_unused_parameters", ["engine.find_unused_parameters=true"], None, 0,
           (STDERR,), "not documented (torch's C++ reducer: counted, listed)"),
-    Costs("gradsync engine", ["trainer.engine=gradsync"], 0, 0),
+    Costs("gradsync engine", ["engine=gradsync"], 0, 0),
     Costs("gradsync engine, find_unused_parameters",
-          ["trainer.engine=gradsync", "trainer.find_unused_parameters=true"], 1, 1,
+          ["engine=gradsync", "engine.find_unused_parameters=true"], 1, 1,
           ("gradsync/engines/gradsync_ddp.py",),
           "1 (which parameters some rank used: one read per synchronising backward)"),
 ]
@@ -791,12 +791,12 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 # PowerSGD compresses from step 2, local SGD / DiLoCo average every 2 steps, a checkpoint and a
 # log at every second step, the trace on.
 ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
-ENGINE_ARGS = {"hsdp": ["trainer.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
+ENGINE_ARGS = {"hsdp": ["engine.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
 MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
                "schedule.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
                "trainer.log_every=2",
                "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
-MATRIX_EXTRA = [("trace_sync", ["trainer.trace_sync=true"]),
+MATRIX_EXTRA = [("trace_sync", ["engine.trace_sync=true"]),
                 ("check_replicas", ["trainer.check_replicas=1"]),
                 ("local SGD (every 2), check_replicas",
                  ["sync=local_sgd", "sync.every=2", "trainer.check_replicas=1"])]
@@ -808,8 +808,8 @@ def matrix_cases() -> list[tuple[str, str, list[str]]]:
     """(engine, policy label, overrides): each policy or feature of POLICIES not tied to an
     engine, and MATRIX_EXTRA, on each engine."""
     rows = [(c.label, c.overrides) for c in POLICIES
-            if not any(o.startswith("trainer.engine=") for o in c.overrides)] + MATRIX_EXTRA
-    return [(e, label, ["trainer.engine=" + e, *ENGINE_ARGS.get(e, []), *overrides])
+            if not any(o.startswith("engine=") for o in c.overrides)] + MATRIX_EXTRA
+    return [(e, label, ["engine=" + e, *ENGINE_ARGS.get(e, []), *overrides])
             for e in ENGINES for label, overrides in rows]
 
 

@@ -47,7 +47,7 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
     p.evaluate = dict
     with tempfile.TemporaryDirectory() as tmp:
         log = RunLog(Path(tmp), active=rank == 0)
-        if p.engine.trace:  # written as run_training writes it (trainer.trace_sync)
+        if p.engine.trace:  # written as run_training writes it (engine.trace_sync)
             p.engine.trace.open(Path(tmp) / "trace" / f"rank{rank}.jsonl")
         state = Progress()
         p.trainer.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0

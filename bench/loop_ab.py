@@ -1,7 +1,7 @@
 """gradsync's loop against the hand-written loop where machine noise cannot hide a few percent:
 one process (a world of one gloo rank, so no all-reduce waits on another process), the
 benchmark workload (half an epoch per run), the two loops' whole runs interleaved ABBA, on
-`trainer.allreduce=process_group` (the policy machinery alone, on the all-reduce the
+`engine.allreduce=process_group` (the policy machinery alone, on the all-reduce the
 hand-written loop uses). Prints each loop's median time per optimizer step and the median over
 rounds of the per-round time ratio. `make bench` compares whole 2-rank runs; this isolates what
 gradsync's loop adds to a step.
@@ -40,7 +40,7 @@ def main() -> None:
 
     loops = {"hand-written": lambda: handwritten.run(args.n),
              "gradsync": lambda: gradsync_runs.run(
-                 args.n, "accumulate", ("trainer.allreduce=process_group",))}
+                 args.n, "accumulate", ("engine.allreduce=process_group",))}
     steps = w.SAMPLES // w.MICRO / args.n
     ms: dict[str, list[float]] = {name: [] for name in loops}
     for r in range(args.rounds):

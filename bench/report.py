@@ -89,7 +89,7 @@ APPROX = "gradsync accumulate + PowerSGD"
 MODEL_AVERAGING = ("gradsync local_sgd H=8", "gradsync diloco H=8")
 EXACT = ("gradsync accumulate", "gradsync always", "gradsync accumulate (gloo all-reduce)",
          "gradsync accumulate + fused SGD", "gradsync accumulate (engine=gradsync)")
-# trainer.engine=gradsync against torch_ddp (same loop, same all-reduce), and the trace's cost
+# engine=gradsync against torch_ddp (same loop, same all-reduce), and the trace's cost
 ENGINE = {1: 0.95, 4: 1.00}
 ENGINE_PAIRS = (("gradsync accumulate (engine=gradsync)", "gradsync accumulate"),
                 ("gradsync accumulate (gloo all-reduce) engine=gradsync",

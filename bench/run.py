@@ -33,7 +33,7 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     # the policy machinery alone: gradsync's loop on the all-reduce the other variants use
     "gradsync accumulate (gloo all-reduce)": (
         "gradsync_runs", "run",
-        {"sync": "accumulate", "overrides": ("trainer.allreduce=process_group",)}),
+        {"sync": "accumulate", "overrides": ("engine.allreduce=process_group",)}),
     "gradsync amp_aware (bf16 wire)": ("gradsync_runs", "run", {"sync": "amp_aware"}),
     # approximate: rank-4 factors of the weight gradients from the first timed step on
     "gradsync accumulate + PowerSGD": (
@@ -48,33 +48,33 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
                                {"sync": "local_sgd", "overrides": ("sync.every=8",)}),
     "gradsync diloco H=8": ("gradsync_runs", "run",
                             {"sync": "diloco", "overrides": ("sync.every=8",)}),
-    # trainer.engine=gradsync (engines/gradsync_ddp.py) beside torch's DDP (the rows above),
-    # and the sync trace's cost on each engine (trainer.trace_sync)
+    # engine=gradsync (engines/gradsync_ddp.py) beside torch's DDP (the rows above),
+    # and the sync trace's cost on each engine (engine.trace_sync)
     "gradsync accumulate (engine=gradsync)": (
-        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",)}),
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine=gradsync",)}),
     "gradsync accumulate (gloo all-reduce) engine=gradsync": (
         "gradsync_runs", "run",
-        {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
-                                             "trainer.allreduce=process_group")}),
+        {"sync": "accumulate", "overrides": ("engine=gradsync",
+                                             "engine.allreduce=process_group")}),
     # torch.compile (inductor) of the gradsync engine's model; the warm-up compiles it, untimed
     # (torch's DDP leaves an nn.Sequential such as this MLP uncompiled: docs/components.md)
     "gradsync accumulate (engine=gradsync) + compile": (
-        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
-                                                                     "trainer.compile=true")}),
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine=gradsync",
+                                                                     "compile.enabled=true")}),
     "gradsync accumulate + trace": (
-        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.trace_sync=true",)}),
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine.trace_sync=true",)}),
     "gradsync accumulate (engine=gradsync) + trace": (
         "gradsync_runs", "run",
-        {"sync": "accumulate", "overrides": ("trainer.engine=gradsync",
-                                             "trainer.trace_sync=true")}),
+        {"sync": "accumulate", "overrides": ("engine=gradsync",
+                                             "engine.trace_sync=true")}),
     # FSDP2 (docs/sharded.md): whole gradients held until the window's last micro-batch, or a
     # reduce-scatter after every micro-batch; parameters all-gathered for every forward and
     # backward (MB / step counts the reduce-scatters and all-gathers too)
     "gradsync fsdp accumulate (boundary)": (
-        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.engine=fsdp",)}),
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("engine=fsdp",)}),
     "gradsync fsdp accumulate (every)": (
         "gradsync_runs", "run", {"sync": "accumulate",
-                                 "overrides": ("trainer.engine=fsdp",
+                                 "overrides": ("engine=fsdp",
                                                "sync.reduce_scatter=every")}),
     "lightning": ("frameworks", "lightning", {}),
     "accelerate": ("frameworks", "accelerate", {}),

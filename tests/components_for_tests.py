@@ -173,7 +173,7 @@ def data_from_the_global_stream(seed: int, num_samples: int = 8):
 class LastLayerAtWindowEnd:
     """`always`, except the gradient buckets holding a parameter that matches `params`: they
     stay local and accumulate until the window's last micro-batch (per-bucket decisions:
-    trainer.engine=gradsync only)."""
+    engine=gradsync only)."""
 
     def __init__(self, params: str = "4.*"):
         self.params = params

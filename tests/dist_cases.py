@@ -13,6 +13,7 @@ from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.data.contract import mse_per_sample
 from gradsync.data.tokens import pad_batch, token_loss_per_sample
+from gradsync.engines import capabilities
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.models import MLP, Transformer
 from gradsync.run import summary as run_summary
@@ -93,7 +94,8 @@ def train_run(cfg: dict, run_dir: str) -> dict:
 def job_config(cfg: dict, run_dir: Path) -> RunConfig:
     """The RunConfig a job hands its ranks: `resume` resolved to a checkpoint path, or none."""
     run = RunConfig.from_plain(cfg)
-    path = checkpoint.resolve_resume(run.resume, run_dir, cfg, dist.get_world_size(), [])
+    path = checkpoint.resolve_resume(run.resume, run_dir, cfg, dist.get_world_size(), [],
+                                     sharded=capabilities(run.engine.name).sharded)
     run.resume = str(path) if path else "none"
     return run
 

@@ -229,7 +229,7 @@ def gradient_memory(engine: str, view: bool) -> dict:
 
 def batchnorm_statistics(engine: str, sync_batchnorm: bool, device: str = "cpu",
                          train: bool = True) -> dict:
-    """components_for_tests.BatchNormMLP on `engine` (trainer.sync_batchnorm as given), one
+    """components_for_tests.BatchNormMLP on `engine` (engine.sync_batchnorm as given), one
     window of 2 micro-batches of 4 samples (the first inside no_sync), each rank its own data:
     the norm layer's class, this rank's buffers after the window, its inputs and the first
     layer's initial weights. train=False: built only (torch's SyncBatchNorm trains on CUDA)."""

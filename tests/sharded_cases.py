@@ -1,6 +1,6 @@
 """Functions the sharded-engine tests (test_sharded.py) run on every rank of the pool
 (dist_pool.py): the worker's real run_training on the pool's gloo group with
-trainer.engine=fsdp|hsdp, and what they read back (summary, consolidated model, TensorBoard)."""
+engine=fsdp|hsdp, and what they read back (summary, consolidated model, TensorBoard)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_the_startup_table_gives_each_variant_as_a_multiple_of_the_floor():
 
 
 def test_the_engine_rows_run_the_gradsync_engine_and_the_trace():
-    """The bench's rows for trainer.engine=gradsync and trainer.trace_sync compose (as the
+    """The bench's rows for engine=gradsync and engine.trace_sync compose (as the
     harness composes them) into the engine and trace they are named after, and the report
     checks them against their torch_ddp / untraced twins."""
     import importlib.util
@@ -103,8 +103,9 @@ def test_the_engine_rows_run_the_gradsync_engine_and_the_trace():
                                 ("gradsync accumulate (engine=gradsync) + trace", "gradsync",
                                  True)]:
         _, _, kwargs = harness.VARIANTS[name]
-        tr = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["trainer"]
-        assert (tr["engine"], tr["trace_sync"]) == (engine, trace)
+        eng = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["engine"]
+        assert (eng["name"], eng["trace_sync"]) == (engine, trace)
     _, _, kwargs = harness.VARIANTS["gradsync accumulate (engine=gradsync) + compile"]
-    tr = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))["trainer"]
-    assert (tr["engine"], tr["compile"], tr["compile_backend"]) == ("gradsync", True, "inductor")
+    cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
+    assert (cfg["engine"]["name"], cfg["compile"]["enabled"], cfg["compile"]["backend"]) == (
+        "gradsync", True, "inductor")

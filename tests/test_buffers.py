@@ -43,8 +43,8 @@ def one_process_eval(cfg: dict, state: dict) -> float:
 
 @pytest.mark.parametrize("engine", ["torch_ddp", "gradsync", "fsdp", "hsdp"])
 def test_the_evaluated_model_is_the_saved_model(pool2, tmp_path, engine):
-    replicas = ["trainer.replicas=2"] if engine == "hsdp" else []  # 2 replicas of 1 rank
-    cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}", *replicas])
+    replicas = ["engine.replicas=2"] if engine == "hsdp" else []  # 2 replicas of 1 rank
+    cfg = plain_cfg([*BATCHNORM, f"engine={engine}", *replicas])
     ranks = pool2.run(dist_cases.train_run_buffers, cfg, str(tmp_path))
     b0, b1 = ranks[0]["buffers"], ranks[1]["buffers"]
     assert set(b0) == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
@@ -58,16 +58,16 @@ def test_the_evaluated_model_is_the_saved_model(pool2, tmp_path, engine):
     assert abs(reported - alone) <= 1e-6 * abs(alone)
 
 
-# --- trainer.sync_batchnorm ---------------------------------------------------------------------
+# --- engine.sync_batchnorm ---------------------------------------------------------------------
 @pytest.mark.parametrize("extra,placement,says", [
-    ([], None, "trainer.sync_batchnorm=true needs CUDA ranks: torch's SyncBatchNorm computes its "
+    ([], None, "engine.sync_batchnorm=true needs CUDA ranks: torch's SyncBatchNorm computes its "
                "statistics on the GPU only (no CPU kernel); on CPU ranks each rank keeps its "
                "own batch statistics"),
-    (["trainer.engine=fsdp"], "nccl", "trainer.sync_batchnorm=True is not allowed: false with "
-     "trainer.engine=fsdp (the DDP engines only: torch_ddp, gradsync)"),
-    (["trainer.engine=hsdp"], "nccl", "trainer.sync_batchnorm=True is not allowed: false with "
-     "trainer.engine=hsdp (the DDP engines only: torch_ddp, gradsync)"),
-    (["model=mlp"], "nccl", "trainer.sync_batchnorm=true: the model (gradsync.models.MLP) has "
+    (["engine=fsdp"], "nccl", "engine.sync_batchnorm=True is not allowed: false with "
+     "engine=fsdp (the DDP engines only: torch_ddp, gradsync)"),
+    (["engine=hsdp"], "nccl", "engine.sync_batchnorm=True is not allowed: false with "
+     "engine=hsdp (the DDP engines only: torch_ddp, gradsync)"),
+    (["model=mlp"], "nccl", "engine.sync_batchnorm=true: the model (gradsync.models.MLP) has "
      "no BatchNorm layer to synchronise")])
 def test_sync_batchnorm_is_refused_where_it_cannot_run(extra, placement, says):
     from gradsync.config.validate import ConfigError
@@ -76,7 +76,7 @@ def test_sync_batchnorm_is_refused_where_it_cannot_run(extra, placement, says):
     from gradsync.run.preflight import preflight
 
     model = [] if extra == ["model=mlp"] else BATCHNORM
-    cfg = compose_plain([*BATCHNORM[:5], *model[5:], *extra, "trainer.sync_batchnorm=true"])
+    cfg = compose_plain([*BATCHNORM[:5], *model[5:], *extra, "engine.sync_batchnorm=true"])
     with pytest.raises(ConfigError) as e:
         preflight(cfg, Placement(placement, 2) if placement else None)
     assert str(e.value) == says
@@ -91,11 +91,11 @@ def test_sync_batchnorm_on_cpu_ranks_is_one_line_exit_2(tmp_path, cli_env):
     env = cli_env | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                                     cli_env.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "gradsync.run.main", *BATCHNORM,
-                           "trainer.sync_batchnorm=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                           "engine.sync_batchnorm=true", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "gradsync: config error: trainer.sync_batchnorm=true needs CUDA ranks: torch's "
+        "gradsync: config error: engine.sync_batchnorm=true needs CUDA ranks: torch's "
         "SyncBatchNorm computes its statistics on the GPU only (no CPU kernel); on CPU ranks "
         "each rank keeps its own batch statistics"]
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -125,7 +125,7 @@ def test_a_resumed_run_evaluates_what_the_uninterrupted_one_does(pool2, tmp_path
 
     import sharded_cases
 
-    cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}"])
+    cfg = plain_cfg([*BATCHNORM, f"engine={engine}"])
     through = pool2.run(sharded_cases.run, cfg, str(tmp_path / "through"))[0]
     ckpt = checkpoint.step_path(tmp_path / "through" / "checkpoints", 5)
     if engine == "fsdp":
@@ -153,7 +153,7 @@ def test_torch_ddp_and_gradsync_train_the_same_bits_with_batchnorm(pool2, tmp_pa
 
     out = {}
     for engine in ("torch_ddp", "gradsync"):
-        cfg = plain_cfg([*BATCHNORM, f"trainer.engine={engine}"])
+        cfg = plain_cfg([*BATCHNORM, f"engine={engine}"])
         out[engine] = pool2.run(dist_cases.train_run_rows, cfg, str(tmp_path / engine))[0]
     theirs, ours = out["torch_ddp"], out["gradsync"]
     assert len(ours["rows"]) == 14 and losses(ours["rows"]) == losses(theirs["rows"])

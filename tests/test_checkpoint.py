@@ -84,24 +84,27 @@ def test_verify_names_truncated_flipped_and_incomplete_checkpoints(tmp_path, cfg
 
 def test_resume_auto_falls_back_past_corrupt_checkpoints(tmp_path, cfg):
     ckpts = tmp_path / "checkpoints"
-    assert resolve_resume("auto", tmp_path, cfg, 2, []) is None  # nothing yet: fresh start
+    # nothing yet: fresh start
+    assert resolve_resume("auto", tmp_path, cfg, 2, [], sharded=False) is None
     write_steps(ckpts, cfg, [10, 20, 30])
     flip_a_byte(checkpoint.step_path(ckpts, 30))
     notes: list[str] = []
-    assert resolve_resume("auto", tmp_path, cfg, 2, notes) == checkpoint.step_path(ckpts, 20)
+    assert resolve_resume("auto", tmp_path, cfg, 2, notes, sharded=False) == \
+        checkpoint.step_path(ckpts, 20)
     assert notes == [f"skipping {checkpoint.step_path(ckpts, 30)}: corrupt checkpoint "
                      "(sha256 differs from the one written)"]
     # a run dir or a file named explicitly
-    assert resolve_resume(str(tmp_path), tmp_path / "new", cfg, 2, []) == \
+    assert resolve_resume(str(tmp_path), tmp_path / "new", cfg, 2, [], sharded=False) == \
         checkpoint.step_path(ckpts, 20)
     assert resolve_resume(str(checkpoint.step_path(ckpts, 10)), tmp_path / "new", cfg, 2,
-                          []) == checkpoint.step_path(ckpts, 10)
+                          [], sharded=False) == checkpoint.step_path(ckpts, 10)
     with pytest.raises(ResumeError, match="corrupt checkpoint"):  # named: no fallback
-        resolve_resume(str(checkpoint.step_path(ckpts, 30)), tmp_path / "new", cfg, 2, [])
+        resolve_resume(str(checkpoint.step_path(ckpts, 30)), tmp_path / "new", cfg, 2, [],
+                       sharded=False)
     flip_a_byte(checkpoint.step_path(ckpts, 20))
     flip_a_byte(checkpoint.step_path(ckpts, 10))
     with pytest.raises(ResumeError, match="no intact checkpoint"):
-        resolve_resume("auto", tmp_path, cfg, 2, [])
+        resolve_resume("auto", tmp_path, cfg, 2, [], sharded=False)
 
 
 def test_a_sidecar_without_its_keys_is_corrupt_and_resume_auto_falls_back(tmp_path, cfg):
@@ -114,7 +117,7 @@ def test_a_sidecar_without_its_keys_is_corrupt_and_resume_auto_falls_back(tmp_pa
     meta["bytes"] = str(meta["bytes"])
     step[20].with_suffix(".json").write_text(json.dumps(meta))
     notes: list[str] = []
-    assert resolve_resume("auto", tmp_path, cfg, 2, notes) == step[10]
+    assert resolve_resume("auto", tmp_path, cfg, 2, notes, sharded=False) == step[10]
     assert notes == [
         f"skipping {step[40]}: corrupt checkpoint (step_00000040.json lacks a valid step, "
         "bytes, sha256, world_size, config_hash, config)",
@@ -122,7 +125,7 @@ def test_a_sidecar_without_its_keys_is_corrupt_and_resume_auto_falls_back(tmp_pa
         "bytes, sha256, world_size, config_hash, config)",
         f"skipping {step[20]}: corrupt checkpoint (step_00000020.json lacks a valid bytes)"]
     with pytest.raises(ResumeError, match="corrupt checkpoint"):  # named: no fallback
-        resolve_resume(str(step[40]), tmp_path / "new", cfg, 2, [])
+        resolve_resume(str(step[40]), tmp_path / "new", cfg, 2, [], sharded=False)
 
 
 @pytest.mark.slow  # a Python process of its own, under its own file size limit
@@ -155,19 +158,19 @@ def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(
 
 
 def test_a_fresh_start_over_existing_checkpoints_is_refused(tmp_path, cfg):
-    assert resolve_resume("none", tmp_path, cfg, 2, []) is None
+    assert resolve_resume("none", tmp_path, cfg, 2, [], sharded=False) is None
     write_steps(tmp_path / "checkpoints", cfg, [4])
     with pytest.raises(ResumeError, match="already holds checkpoints.*resume=auto"):
-        resolve_resume("none", tmp_path, cfg, 2, [])
+        resolve_resume("none", tmp_path, cfg, 2, [], sharded=False)
 
 
 def test_only_trainer_settings_may_change_on_resume(tmp_path, cfg):
     write_steps(tmp_path / "checkpoints", cfg, [4])
     more = json.loads(json.dumps(cfg))
     more["trainer"].update(max_steps=1000, log_every=1, checkpoint_every=7)
-    assert resolve_resume("auto", tmp_path, more, 2, []) is not None
+    assert resolve_resume("auto", tmp_path, more, 2, [], sharded=False) is not None
     with pytest.raises(ResumeError, match="written by 2 processes, this run has 3"):
-        resolve_resume("auto", tmp_path, cfg, 3, [])
+        resolve_resume("auto", tmp_path, cfg, 3, [], sharded=False)
     for key, value, shown in [("model", {"hidden_sizes": [9]}, "model.hidden_sizes=[9]"),
                               ("data", {"num_samples": 7}, "data.num_samples=7"),
                               ("optimizer", {"lr": 0.5}, "optimizer.lr=0.5"),
@@ -178,7 +181,7 @@ def test_only_trainer_settings_may_change_on_resume(tmp_path, cfg):
         else:
             changed[key] = value
         with pytest.raises(ResumeError, match=f"this run has {shown.replace('[', '.')}"):
-            resolve_resume("auto", tmp_path, changed, 2, [])
+            resolve_resume("auto", tmp_path, changed, 2, [], sharded=False)
 
 
 def test_epochwise_keys_compare_equal_after_the_sidecar_json(tmp_path):
@@ -187,7 +190,7 @@ def test_epochwise_keys_compare_equal_after_the_sidecar_json(tmp_path):
     edited = json.loads(json.dumps(cfg))
     edited["trainer"]["max_epochs"] = 99
     edited["schedule"]["accum_steps_by_epoch"] = cfg["schedule"]["accum_steps_by_epoch"]
-    assert resolve_resume("auto", tmp_path, edited, 2, []) is not None
+    assert resolve_resume("auto", tmp_path, edited, 2, [], sharded=False) is not None
 
 
 def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):

@@ -1,4 +1,4 @@
-"""trainer.compile on real 2-rank gloo groups (engines/compiled.py): a compiled model trains what
+"""compile.enabled on real 2-rank gloo groups (engines/compiled.py): a compiled model trains what
 the eager one trains, for the DDP engines and the policies that decide differently (every
 micro-batch, the window's last, local SGD's and DiLoCo's own steps, amp_aware's bf16 wire,
 PowerSGD's factors) and for FSDP2's units, with the graphs
@@ -27,16 +27,16 @@ TOKENS = ["model=transformer", "data=synthetic_lm", "data.num_samples=64", "data
           "trainer.max_epochs=1", "optimizer.lr=0.1", "lr_scheduler.warmup_steps=1",
           "trainer.log_every=1", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
           "trainer.backend=gloo", "trainer.timeout_s=120", "seed=3"]
-COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
+COMPILED = ["compile.enabled=true", "compile.backend=aot_eager"]
 CASES = {"torch_ddp accumulate": ["sync=accumulate"],
          "torch_ddp always": ["sync=always"],
          "torch_ddp local_sgd": ["sync=local_sgd", "sync.every=2"],
-         "gradsync accumulate": ["sync=accumulate", "trainer.engine=gradsync"],
+         "gradsync accumulate": ["sync=accumulate", "engine=gradsync"],
          "torch_ddp diloco": ["sync=diloco", "sync.every=2"],
          "torch_ddp amp_aware bf16": ["sync=amp_aware", "precision=bf16"],
          "torch_ddp powersgd": ["sync=accumulate", "sync.compression=powersgd",
                                 "sync.powersgd_start_step=2"],
-         "fsdp accumulate": ["sync=accumulate", "trainer.engine=fsdp"]}
+         "fsdp accumulate": ["sync=accumulate", "engine=fsdp"]}
 # PowerSGD is approximate: compiled, it ends 2.0e-2 relative from eager (every exact policy: 0).
 # Likely cause, not pinned down: its random projections go tensor by tensor in the order of
 # DDP's bucket, which DDP rebuilds from the order gradients arrive in (a graph at a time)
@@ -92,15 +92,15 @@ def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.bucket_cap_mb=0.5"], "trainer.bucket_cap_mb=0.5 with trainer.compile=true: "
+    (["engine.bucket_cap_mb=0.5"], "engine.bucket_cap_mb=0.5 with compile.enabled=true: "
                                     "torch's DDPOptimizer needs buckets of at least 1 MB"),
-    (["trainer.compile_backend=nope"], "trainer.compile_backend='nope' is not allowed: one of"),
-    (["trainer.compile_mode=max-autotune"], "trainer.compile_mode='max-autotune' is not "
-                                            "allowed: null with trainer.compile_backend other"),
-    (["trainer.compile=false"], "trainer.compile_backend='aot_eager' is for "
-                                "trainer.compile=true (it is false: nothing is compiled)"),
-    (["trainer.compile_backend=inductor", "trainer.compile_mode=fastest"],
-     "trainer.compile_mode='fastest' is not allowed: null or one of default")])
+    (["compile.backend=nope"], "compile.backend='nope' is not allowed: one of"),
+    (["compile.mode=max-autotune"], "compile.mode='max-autotune' is not "
+                                            "allowed: null with compile.backend other"),
+    (["compile.enabled=false"], "compile.backend='aot_eager' is for "
+                                "compile.enabled=true (it is false: nothing is compiled)"),
+    (["compile.backend=inductor", "compile.mode=fastest"],
+     "compile.mode='fastest' is not allowed: null or one of default")])
 def test_what_cannot_compile_is_one_line_before_any_worker(overrides, message):
     with pytest.raises(ConfigError) as e:
         preflight(plain_cfg([*TOKENS, *COMPILED, *overrides]))

@@ -4,6 +4,7 @@ input fails with one line, exit code 2, no worker and no run dir."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch.utils.data import default_collate
 
 from gradsync.components import build, locate, parameters
 from gradsync.config.hydra import register_configs
+from gradsync.config.renames import RENAMED
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.dtypes import DTYPES
@@ -105,12 +107,27 @@ def test_schema_group_yamls_state_only_what_differs_from_the_schema():
     from gradsync.config.schema import SCHEMA_GROUPS
 
     for group, schemas in SCHEMA_GROUPS.items():
-        for option, schema in schemas.items():
-            node = yaml.safe_load((Path(CONF_DIR) / group / f"{option}.yaml").read_text())
+        paths = sorted((Path(CONF_DIR) / group).glob("*.yaml"))
+        assert {p.stem for p in paths} >= set(schemas) - {"default"} and paths, group
+        for path in paths:  # engine/: one schema for every engine's file
+            option = path.stem
+            schema = schemas.get(option) or next(iter(schemas.values()))
+            node = yaml.safe_load(path.read_text())
             defaults = schema()
             for key, value in node.items():
                 if key != "defaults":
                     assert value != getattr(defaults, key), f"{group}/{option}: {key}"
+
+
+def test_every_engine_has_its_conf_entry_and_no_other():
+    """conf/engine/<name>.yaml for each of gradsync.engines.ENGINES (adding an engine: its
+    module, its line there, this file), each composing to its own name."""
+    from gradsync.engines import ENGINES
+
+    names = sorted(p.stem for p in (Path(CONF_DIR) / "engine").glob("*.yaml"))
+    assert names == sorted(ENGINES) and len(names) >= 4
+    assert [compose_plain([f"engine={n}"])["engine"]["name"] for n in names] == names
+    assert compose_plain([])["engine"]["name"] == "torch_ddp"
 
 
 def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
@@ -184,7 +201,7 @@ REFUSED = [
      "step)"),
     (["optimizer=adamw", "optimizer.betas=[0.9]"],
      "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes tuple"),
-    (["trainer.bucket_cap_mb=0"], "trainer.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
+    (["engine.bucket_cap_mb=0"], "engine.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
     # issue 26: values that reached the workers (tests/test_options.py covers every option)
@@ -219,8 +236,9 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
 # and for a component check that raises something other than ConfigError.
 BAD = [
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always, amp_aware"),
-    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: allreduce, backend"),
-    (["+bogus=1"], "bogus: unknown key; allowed keys: data, loss, lr_scaling, lr_scheduler"),
+    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, check_replicas"),
+    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, loss, lr_scaling, "
+                   "lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
@@ -413,8 +431,7 @@ def test_a_target_that_takes_no_keys_says_so_for_the_keys_left_from_another():
                             "components_for_tests.not_a_model; it takes no keys")
 
 
-RENAMED_MICRO = ("data.micro_batch_size is now schedule.micro_batch_size: set "
-                 "schedule.micro_batch_size instead")
+RENAMED_MICRO = "data.micro_batch_size was renamed: use schedule.micro_batch_size"
 
 
 @pytest.mark.parametrize("argv", [["data.micro_batch_size=8"], ["+data.micro_batch_size=8"]])
@@ -447,3 +464,57 @@ def test_the_config_check_builds_nothing_and_the_preflight_builds_every_part():
     with pytest.raises(ConfigError, match=r"^data \(components_for_tests.not_data\): returned a "
                                           r"dict, which is no gradsync.data.DataBundle"):
         preflight(cfg)
+
+
+# Each renamed option (config/renames.py RENAMED): the choices it needs and a value for it.
+RENAMED_CASES = {
+    "data.micro_batch_size": ([], "8"),
+    "schedule.every": (["schedule=adaptive"], "8"),
+    "trainer.engine": ([], "fsdp"),
+    "trainer.fsdp_units": ([], "blocks.*"),
+    "trainer.replicas": ([], "2"),
+    "trainer.bucket_cap_mb": ([], "1.0"),
+    "trainer.gradient_as_bucket_view": ([], "false"),
+    "trainer.allreduce": ([], "process_group"),
+    "trainer.find_unused_parameters": ([], "true"),
+    "trainer.sync_batchnorm": ([], "true"),
+    "trainer.trace_sync": ([], "true"),
+    "trainer.compile": ([], "true"),
+    "trainer.compile_backend": ([], "aot_eager"),
+    "trainer.compile_mode": ([], "default"),
+    "trainer.compile_dynamic": ([], "false"),
+    "trainer.noise_scale": ([], "true"),
+    "trainer.noise_scale_decay": ([], "0.9"),
+}
+
+
+def test_every_renamed_option_has_a_case():
+    assert set(RENAMED_CASES) == set(RENAMED)
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_CASES))
+def test_a_renamed_option_answers_its_old_name_with_the_new_one(old, tmp_path, monkeypatch,
+                                                                 capsys):
+    """An old name, as an override, from a YAML file of one's own, or in a composed config:
+    one line naming the new name, exit 2, nothing started."""
+    choices, value = RENAMED_CASES[old]
+    expected = f"{old} was renamed: use {RENAMED[old]}"
+    assert entry_point_error([*choices, f"{old}={value}"], tmp_path, tmp_path, monkeypatch,
+                             capsys) == expected
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        compose_plain([*choices, f"{old}={value}"])
+    # a preset of one's own that still sets the old name
+    group, key = old.rsplit(".", 1)
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "old.yaml").write_text(
+        f"# @package _global_\n{group}:\n  {key}: {value}\n")
+    assert entry_point_error(["--config-dir", "conf", *choices, "experiment=old"], tmp_path,
+                             tmp_path / "x", monkeypatch, capsys) == expected
+    # the composed config, as validate() gets it (a component's key passes Hydra's schema)
+    plain = compose_plain(choices)
+    node = plain
+    for part in group.split("."):
+        node = node[part]
+    node[key] = yaml.safe_load(value)
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        preflight(plain)

@@ -186,7 +186,7 @@ def test_bf16_is_refused_exactly_where_the_gpu_emulates_it(tmp_path, cli_env):
 
 @pytest.mark.parametrize("engine", ["torch_ddp", "gradsync"])
 def test_sync_batchnorm_keeps_the_statistics_of_both_ranks_batches(gpu_pool2, engine):
-    """trainer.sync_batchnorm (issue 30): one window of 2 micro-batches (the first in no_sync),
+    """engine.sync_batchnorm (issue 30): one window of 2 micro-batches (the first in no_sync),
     each rank its own 4 samples. With SyncBatchNorm both ranks hold the same buffers, and the
     running mean (momentum 0.1, from 0) is that of both ranks' 8 samples per forward:
     0.9 * 0.1 * m1 + 0.1 * m2; with BatchNorm each rank's follows its own 4 samples (DDP

@@ -1,8 +1,8 @@
-"""trainer.engine=gradsync (engines/gradsync_ddp.py) against torch's DDP on the pool's 2 real
+"""engine=gradsync (engines/gradsync_ddp.py) against torch's DDP on the pool's 2 real
 gloo ranks: the same buckets in every synchronising backward; the same bits trained by every
 policy (exact and approximate, gloo and shared memory, uneven data); buffers and unused
 parameters handled as torch handles them; per-bucket decisions; the sync trace of both engines
-(trainer.trace_sync) and what it measures; the classic mistakes of docs/debugging.md."""
+(engine.trace_sync) and what it measures; the classic mistakes of docs/debugging.md."""
 
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def test_a_parameter_without_gradient_is_an_error_that_names_it(pool2):
                "never.weight, never.bias, sometimes.weight, sometimes.bias;"]
     for r, message in enumerate(ours):
         assert message.startswith(f"rank {r}: {missing[r]}")
-        assert "trainer.find_unused_parameters=true" in message
+        assert "engine.find_unused_parameters=true" in message
     # torch_ddp: the same parameters, named after the backward (DDP itself fails one forward
     # later, naming none: engines/unused.py)
     for r, message in enumerate(theirs):
         assert message.startswith(f"rank {r}: {missing[r]}")
-        assert "trainer.find_unused_parameters=true" in message
+        assert "engine.find_unused_parameters=true" in message
 
 
 def test_buffers_and_copied_gradients_as_torch_ddp(pool2):
@@ -107,13 +107,13 @@ RUN = ["data=synthetic", "data.num_samples=101", "data.eval_samples=31", "data.i
        "data.out_dim=2", "schedule.micro_batch_size=5", "model.hidden_sizes=[16,16]",
        "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
        "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
-       "trainer.log_every=4", "trainer.checkpoint_every=0", "trainer.bucket_cap_mb=0.0001"]
+       "trainer.log_every=4", "trainer.checkpoint_every=0", "engine.bucket_cap_mb=0.0001"]
 ADAMW = [*RUN, "optimizer=adamw", "optimizer.lr=0.01"]
 SGD = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 CASES = {
-    "always": [*ADAMW, "sync=always", "trainer.allreduce=process_group"],
+    "always": [*ADAMW, "sync=always", "engine.allreduce=process_group"],
     "accumulate": [*ADAMW, "sync=accumulate"],  # through shared memory
-    "amp_aware": [*ADAMW, "sync=amp_aware", "precision=bf16", "trainer.allreduce=process_group"],
+    "amp_aware": [*ADAMW, "sync=amp_aware", "precision=bf16", "engine.allreduce=process_group"],
     "local_sgd": [*SGD, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2"],
     "diloco": [*SGD, "sync=diloco", "sync.every=3", "sync.warmup_steps=2"],
     "groups": [*SGD, "sync=accumulate", 'sync.groups=[{params: "*.bias", comm_dtype: bf16, '
@@ -135,7 +135,7 @@ def runs(pool2, tmp_path_factory):
     def run(case: str, engine: str, extra: tuple[str, ...] = ()) -> list[dict]:
         key = (case + "".join(extra), engine)
         if key not in done:
-            cfg = plain_cfg([*CASES[case], f"trainer.engine={engine}", *extra])
+            cfg = plain_cfg([*CASES[case], f"engine={engine}", *extra])
             done[key] = pool2.run(engine_cases.dist_cases.train_run_rows, cfg,
                                   str(tmp_path_factory.mktemp(case)))
         return done[key]
@@ -162,7 +162,7 @@ def test_another_partition_trains_the_same_model(runs):
     bytes, the same model up to float rounding (on 2 ranks each element's mean is computed
     alike in any bucket, so here the bits are the same too)."""
     theirs = runs("accumulate", "torch_ddp")[0]
-    ours = runs("accumulate", "gradsync", ("trainer.bucket_cap_mb=25",))[0]
+    ours = runs("accumulate", "gradsync", ("engine.bucket_cap_mb=25",))[0]
     assert ours["summary"]["engine"]["buckets"] == [6]
     assert ours["summary"]["allreduce_calls"] == theirs["summary"]["sync_backwards"]
     assert theirs["summary"]["allreduce_calls"][0] > 2 * theirs["summary"]["sync_backwards"][0]
@@ -179,7 +179,7 @@ def test_a_per_bucket_policy_needs_the_gradsync_engine():
     cfg = plain_cfg(CASES["always"])
     cfg["sync"] = PER_BUCKET
     with pytest.raises(ConfigError, match=r"decides per gradient bucket \(sync_bucket\), which "
-                       "trainer.engine=torch_ddp cannot carry out: set trainer.engine=gradsync"):
+                       "engine=torch_ddp cannot carry out: set engine=gradsync"):
         preflight(cfg)
 
 
@@ -188,7 +188,7 @@ def test_a_bucket_kept_local_accumulates_into_the_next_synchronisation(runs, poo
     """`always`, but the last layer's bucket synchronises only at each window's end: the same
     training up to rounding, its bytes saved in every other backward, and the trace shows each
     bucket kept local."""
-    cfg = plain_cfg([*CASES["always"], "trainer.engine=gradsync", "trainer.trace_sync=true"])
+    cfg = plain_cfg([*CASES["always"], "engine=gradsync", "engine.trace_sync=true"])
     cfg["sync"] = PER_BUCKET
     preflight(cfg)
     ours = pool2.run(engine_cases.traced_run, cfg, str(tmp_path))[0]
@@ -212,7 +212,7 @@ def test_the_trace_records_every_bucket_of_every_step(pool2, tmp_path, engine):
     """amp_aware's bf16 wire: per rank and step, the micro-batches, each bucket's parameters,
     bytes (adding up to the counted bytes) and wire dtype, its ready, launch and finish times in
     order; each step's wait and overlap in metrics.jsonl and TensorBoard."""
-    cfg = plain_cfg([*CASES["amp_aware"], f"trainer.engine={engine}", "trainer.trace_sync=true"])
+    cfg = plain_cfg([*CASES["amp_aware"], f"engine={engine}", "engine.trace_sync=true"])
     r0, r1 = pool2.run(engine_cases.traced_run, cfg, str(tmp_path))
     events = r0["trace"]["traceEvents"]
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0",
@@ -274,7 +274,7 @@ def test_wait_and_overlap_from_the_times():
 TINY = ["data=synthetic", "data.num_samples=96", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "schedule.accum_steps=2",
         "trainer.max_epochs=1", "trainer.progress_bar=false", "trainer.threads_per_worker=1",
-        "trainer.checkpoint_every=0", "trainer.engine=gradsync"]
+        "trainer.checkpoint_every=0", "engine=gradsync"]
 
 
 @pytest.fixture
@@ -305,11 +305,11 @@ def test_the_mistakes_of_the_debugging_page(examples, pool2, tmp_path):
         "replicas differ after optimizer step 1: parameter '0.weight' on rank 1 is not rank "
         "0's (trainer.check_replicas)"] * 2
     for engine in ("gradsync", "torch_ddp"):
-        cfg = examples([f"trainer.engine={engine}"], model=unused)
+        cfg = examples([f"engine={engine}"], model=unused)
         for m in pool2.run(engine_cases.example_run, cfg, str(tmp_path / engine),
                            "UnusedParameters"):
-            assert "head.weight, head.bias" in m and "trainer.find_unused_parameters=true" in m
-    fine = examples(["trainer.find_unused_parameters=true"], model=unused)
+            assert "head.weight, head.bias" in m and "engine.find_unused_parameters=true" in m
+    fine = examples(["engine.find_unused_parameters=true"], model=unused)
     r0, _ = pool2.run(engine_cases.example_run, fine, str(tmp_path / "fine"))
     assert r0["summary"]["optimizer_steps"] == 3
     torch.manual_seed(0)
@@ -337,7 +337,7 @@ def test_a_failed_run_leaves_its_trace(tmp_path, cli_env):
     run_dir = tmp_path / "never"
     proc = subprocess.run(  # from examples/debugging, as the page runs it (its modules import)
         [sys.executable, "-m", "gradsync.run.main", "--config-dir", "conf",
-         f"hydra.run.dir={run_dir}", "sync=never_sync", *TINY, "trainer.trace_sync=true",
+         f"hydra.run.dir={run_dir}", "sync=never_sync", *TINY, "engine.trace_sync=true",
          "trainer.devices=2"],
         cwd=engine_cases.EXAMPLES, env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr

@@ -33,7 +33,7 @@ STEPS_PER_EPOCH = 6
 
 def two_ranks(engine: str) -> list[str]:  # 2 ranks x micro 4 x N 2
     return [*HF, "schedule.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
-            f"trainer.engine={engine}"]
+            f"engine={engine}"]
 
 
 @pytest.fixture(scope="module")

@@ -180,8 +180,8 @@ def test_fp16_an_overflow_in_an_every_group_on_one_rank_skips_the_step_on_both(
      "sync.groups[0].evry: unknown key; accepted keys: params, comm_dtype, every, name"),
     ([groups('params: "0.*", every: 2'), "trainer.clip_grad_norm=1.0"],
      "sync.groups[0].every with trainer.clip_grad_norm > 0"),
-    ([groups('params: "*.bias", comm_dtype: bf16'), "trainer.allreduce=shared_memory"],
-     "trainer.allreduce=shared_memory all-reduces whole buckets in one dtype"),
+    ([groups('params: "*.bias", comm_dtype: bf16'), "engine.allreduce=shared_memory"],
+     "engine.allreduce=shared_memory all-reduces whole buckets in one dtype"),
     ([groups('params: "*.bias", comm_dtype: bf16'), "sync.compression=powersgd"],
      "sync.groups with sync.compression=powersgd"),
 ])

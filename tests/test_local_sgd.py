@@ -76,13 +76,13 @@ def test_drift_is_logged_at_every_averaging_and_its_max_in_the_summary(local):
 def test_the_averaging_goes_through_shared_memory_with_the_bits_of_a_gloo_all_reduce(
         local, pool2, tmp_path, wire):
     """CPU ranks of one host average through the slots of the shared-memory all-reduce (idle
-    after warm-up); over gloo (trainer.allreduce=process_group) every window ends with the same
+    after warm-up); over gloo (engine.allreduce=process_group) every window ends with the same
     bits on both ranks, the drift is the same number and the same bytes are counted."""
     cfg = [*LOCAL, f"sync.comm_dtype={wire}"]
     shm = local if wire == "fp32" else pool2.run(local_sgd_cases.recorded_run, plain_cfg(cfg),
                                                  str(tmp_path / "shm"))
     gloo = pool2.run(local_sgd_cases.recorded_run,
-                     plain_cfg([*cfg, "trainer.allreduce=process_group"]), str(tmp_path / "gloo"))
+                     plain_cfg([*cfg, "engine.allreduce=process_group"]), str(tmp_path / "gloo"))
     for a, b in zip(shm, gloo, strict=True):
         assert a["averaged_through_shm"] == [True] * 4 and b["averaged_through_shm"] == [False] * 4
         for (wa, da, xa), (wb, db, xb) in zip(a["snaps"], b["snaps"], strict=True):

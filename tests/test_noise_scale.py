@@ -106,8 +106,8 @@ TRUTH_DATA = {"seed": 3, "num_samples": 63, "eval_samples": 16, "in_dim": 8, "ou
 TRUTH = ["data=synthetic", "data.num_samples=63", "data.eval_samples=16", "data.in_dim=8",
          "data.out_dim=8", "schedule.micro_batch_size=8", "data.noise=0.5",
          "model.hidden_sizes=[32]", "model.activation=tanh", "optimizer.lr=0.0",
-         "optimizer.momentum=0.0", "schedule.accum_steps=1", "trainer.noise_scale=true",
-         "trainer.noise_scale_decay=0.998", "trainer.max_epochs=60", "trainer.log_every=50",
+         "optimizer.momentum=0.0", "schedule.accum_steps=1", "noise_scale.enabled=true",
+         "noise_scale.decay=0.998", "trainer.max_epochs=60", "trainer.log_every=50",
          "trainer.checkpoint_every=0", "trainer.threads_per_worker=1",
          "trainer.progress_bar=false", "seed=3"]
 WINDOWS = 240
@@ -150,9 +150,9 @@ ADAPTIVE = [*(o for o in EXACT_RESUME  # the window's N, not its micro-batch siz
               if not o.startswith("schedule.") or o.startswith("schedule.micro_batch_size=")),
             "schedule=adaptive",
             "schedule.initial_accum_steps=4", "schedule.min_accum_steps=1",
-            "schedule.max_accum_steps=4", "schedule.every=2",
+            "schedule.max_accum_steps=4", "schedule.every_steps=2",
             "lr_scaling=adascale", "lr_scaling.reference_batch=32",
-            "trainer.noise_scale_decay=0.5", "trainer.max_epochs=3", "trainer.log_every=3",
+            "noise_scale.decay=0.5", "trainer.max_epochs=3", "trainer.log_every=3",
             "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]
 
 
@@ -298,9 +298,9 @@ def test_scaled_lr_applies_the_factor_and_advances_the_schedule_by_the_clock():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.noise_scale=true", "loss.normalize=micro_batch_mean"],
+    (["noise_scale.enabled=true", "loss.normalize=micro_batch_mean"],
      "loss.normalize=micro_batch_mean weighs them unequally"),
-    (["trainer.noise_scale=true", "sync=local_sgd"], "averages parameters instead"),
+    (["noise_scale.enabled=true", "sync=local_sgd"], "averages parameters instead"),
     (["schedule=adaptive", "sync=diloco"], "schedule=adaptive is measured around"),
     (["lr_scaling=adascale", "trainer.devices=1", "schedule.accum_steps=1"],
      "lr_scaling=adascale on 1 rank compares a window's first micro-batch"),
@@ -308,7 +308,7 @@ def test_scaled_lr_applies_the_factor_and_advances_the_schedule_by_the_clock():
     (["schedule=adaptive", "schedule.min_accum_steps=5"],
      "schedule.initial_accum_steps=1 is not allowed: an integer in [5, 16]"),
     (["schedule=adaptive", "schedule.scale=0"], "schedule.scale=0.0 is not allowed"),
-    (["trainer.noise_scale_decay=1.0"], "trainer.noise_scale_decay=1.0 is not allowed"),
+    (["noise_scale.decay=1.0"], "noise_scale.decay=1.0 is not allowed"),
     (["lr_scaling=linear", "lr_scaling.reference_batch=-1"],
      "lr_scaling.reference_batch=-1 is not allowed"),
     (["lr_scaling.name=cubic"], "lr_scaling.name='cubic' is not allowed"),

@@ -19,8 +19,11 @@ import yaml
 from gradsync.components import ConfigError, hints, locate, parameters
 from gradsync.config.schema import (
     SCHEDULES,
+    CompileConfig,
+    EngineConfig,
     LossConfig,
     LRScalingConfig,
+    NoiseScaleConfig,
     PrecisionConfig,
     TrainerConfig,
 )
@@ -54,13 +57,13 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.log_every"): [0, -1],
     ("", "trainer.eval_every"): [-1],
     ("", "trainer.backend"): ["mpi", ""],
-    ("", "trainer.engine"): ["ddp", ""],
+    ("", "engine.name"): ["ddp", ""],
     ("", "trainer.threads_per_worker"): [-1, 10**9],
     ("", "trainer.progress_bar"): "true or false: both are choices",
     ("", "trainer.clip_grad_norm"): [-1.0],
-    ("", "trainer.gradient_as_bucket_view"): "true or false: both are choices",
-    ("", "trainer.bucket_cap_mb"): [0, -1.0, 1e20],
-    ("", "trainer.allreduce"): ["nccl", ""],
+    ("", "engine.gradient_as_bucket_view"): "true or false: both are choices",
+    ("", "engine.bucket_cap_mb"): [0, -1.0, 1e20],
+    ("", "engine.allreduce"): ["nccl", ""],
     ("", "trainer.timeout_s"): [0, -1, 10**20],
     ("", "trainer.deterministic"): "true, false or null (the device's default): all choices",
     ("", "trainer.checkpoint_every"): [-1],
@@ -69,20 +72,20 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.check_replicas"): [-1],
     ("", "trainer.fail_at_step"): [0, -2],
     ("", "trainer.requeue"): "true or false: both are choices",
-    ("", "trainer.find_unused_parameters"): "true or false: both are choices",
-    ("", "trainer.noise_scale"): "true or false: both are choices",
-    ("", "trainer.noise_scale_decay"): [0, -0.5, 1.0, 1.5],
-    ("", "trainer.trace_sync"): "true or false: both are choices",
+    ("", "engine.find_unused_parameters"): "true or false: both are choices",
+    ("", "noise_scale.enabled"): "true or false: both are choices",
+    ("", "noise_scale.decay"): [0, -0.5, 1.0, 1.5],
+    ("", "engine.trace_sync"): "true or false: both are choices",
     # true needs CUDA ranks, a DDP engine and a model with BatchNorm: none here
-    ("", "trainer.sync_batchnorm"): [True],
+    ("", "engine.sync_batchnorm"): [True],
     # true: refused with the default bucket size below 1 MB? no: 25 MB; a backend, a mode
-    ("", "trainer.compile"): "true or false: both are choices",
-    ("", "trainer.compile_backend"): ["nope", ""],
-    ("", "trainer.compile_mode"): ["fastest"],
-    ("", "trainer.compile_dynamic"): "true, false or null (torch's default): all choices",
+    ("", "compile.enabled"): "true or false: both are choices",
+    ("", "compile.backend"): ["nope", ""],
+    ("", "compile.mode"): ["fastest"],
+    ("", "compile.dynamic"): "true, false or null (torch's default): all choices",
     # sharded engines' settings: refused on the DDP engines, checked against the model there
-    ("", "trainer.fsdp_units"): ["", "nope*", "0"],
-    ("", "trainer.replicas"): [-1, 5],
+    ("", "engine.fsdp_units"): ["", "nope*", "0"],
+    ("", "engine.replicas"): [-1, 5],
     # --- schedule, precision, loss ----------------------------------------------------------
     ("schedule=constant", "schedule.name"): ["linear", ""],
     ("schedule=constant", "schedule.accum_steps"): [0, -1],
@@ -100,7 +103,7 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("schedule=adaptive", "schedule.initial_accum_steps"): [0, -1, 2**21],
     ("schedule=adaptive", "schedule.min_accum_steps"): [0, -1, 10**9],
     ("schedule=adaptive", "schedule.max_accum_steps"): [0, -1, 2**21],
-    ("schedule=adaptive", "schedule.every"): [0, -1],
+    ("schedule=adaptive", "schedule.every_steps"): [0, -1],
     ("", "lr_scaling.name"): ["cubic", ""],
     ("", "lr_scaling.reference_batch"): [-1],
     ("precision=fp16", "precision.name"): ["fp64", "int8"],
@@ -179,7 +182,10 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
     the parameters of every built-in component (conf/'s YAML options with a gradsync
     target), those the worker passes at run time left out; optimizers are torch's own."""
     found: dict[tuple[str, str], typing.Any] = {}
-    for choice, group, cls in [("", "trainer", TrainerConfig), ("precision=fp16", "precision",
+    for choice, group, cls in [("", "trainer", TrainerConfig), ("", "engine", EngineConfig),
+                               ("", "compile", CompileConfig),
+                               ("", "noise_scale", NoiseScaleConfig),
+                               ("precision=fp16", "precision",
                                                                PrecisionConfig),
                                ("", "loss", LossConfig), ("", "lr_scaling", LRScalingConfig),
                                *((f"schedule={n}", "schedule", c) for n, c in SCHEDULES.items())]:

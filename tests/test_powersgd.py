@@ -74,6 +74,6 @@ def test_powersgd_options_are_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="set sync.comm_dtype=fp32"):
         preflight(compose_plain(["sync=amp_aware", "sync.compression=powersgd"]))
     with pytest.raises(ConfigError, match="powersgd all-reduces through the process group"):
-        preflight(compose_plain([*PSGD, "trainer.allreduce=shared_memory"]))
+        preflight(compose_plain([*PSGD, "engine.allreduce=shared_memory"]))
     with pytest.raises(Exception, match="Could not override 'sync.compression'"):
         compose_plain(["sync=always", "sync.compression=powersgd"])  # always has none to choose

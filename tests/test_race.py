@@ -248,7 +248,7 @@ def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budg
         plain = compose_plain(["experiment=window_search", f"+experiment/window={name}"])
         preflight(plain)
         assert (plain["data"]["max_bytes"], plain["trainer"]["max_epochs"],
-                plain["optimizer"]["lr"], plain["trainer"]["noise_scale"]) == (600000, 2,
+                plain["optimizer"]["lr"], plain["noise_scale"]["enabled"]) == (600000, 2,
                                                                                0.005, True)
         s, t = plain["schedule"], plain["trainer"]
         seen[name] = (s["name"], s.get("accum_steps"), plain["lr_scaling"]["name"],

@@ -168,7 +168,7 @@ def test_two_objectives_record_eval_loss_and_bytes_sent(tmp_path, cli_env):
 def test_objectives_and_directions_are_checked_against_what_the_runs_produce():
     from gradsync.run.search import check_objectives
 
-    cfg = OmegaConf.create({"trainer": {"noise_scale": False, "engine": "torch_ddp"},
+    cfg = OmegaConf.create({"noise_scale": {"enabled": False}, "engine": {"name": "torch_ddp"},
                             "sync": {"_target_": "gradsync.sync.policies.AccumulateSync"}})
     assert check_objectives(["eval_loss", "allreduce_bytes"], "minimize", cfg) == (
         ["eval_loss", "allreduce_bytes"], ["minimize", "minimize"])
@@ -179,7 +179,7 @@ def test_objectives_and_directions_are_checked_against_what_the_runs_produce():
              "produces; one of eval_loss, final_train_loss, "),
             ("eval_loss", "down", "hydra.sweeper.direction=down: minimize or maximize"),
             ("noise_scale", "minimize", "hydra.sweeper.objective=noise_scale: the sweep's runs "
-             "do not produce it (only trainer.noise_scale=true does)"),
+             "do not produce it (only noise_scale.enabled=true does)"),
             ("max_replica_drift", "minimize", "hydra.sweeper.objective=max_replica_drift: the "
              "sweep's runs do not produce it (only sync=local_sgd or sync=diloco does)"),
             (["eval_loss", "wall_s"], ["minimize"] * 3, "hydra.sweeper.direction: 3 directions "
@@ -187,7 +187,7 @@ def test_objectives_and_directions_are_checked_against_what_the_runs_produce():
         with pytest.raises(ConfigError) as e:
             check_objectives(objective, direction, cfg)
         assert str(e.value).startswith(error), e.value
-    cfg.trainer.noise_scale = True
+    cfg.noise_scale.enabled = True
     assert check_objectives("noise_scale", "maximize", cfg) == (["noise_scale"], ["maximize"])
 
 
@@ -199,5 +199,5 @@ def test_bad_objective_is_one_line_and_exit_2_before_any_trial(tmp_path, cli_env
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "gradsync: config error: hydra.sweeper.objective=noise_scale: the sweep's runs do not "
-        "produce it (only trainer.noise_scale=true does)"]
+        "produce it (only noise_scale.enabled=true does)"]
     assert not (sweep_dir / "study.db").exists() and not (sweep_dir / "0").exists()

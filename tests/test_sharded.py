@@ -1,5 +1,5 @@
-"""Sharded engines (trainer.engine=fsdp|hsdp, FSDP2's fully_shard) on the pool's 2 real gloo
-ranks, through the worker's real run_training, against torch's DDP (trainer.engine=torch_ddp):
+"""Sharded engines (engine=fsdp|hsdp, FSDP2's fully_shard) on the pool's 2 real gloo
+ranks, through the worker's real run_training, against torch's DDP (engine=torch_ddp):
 
 - fp32 `always` and `accumulate` in both flavours (reduce_scatter=boundary: no traffic until
   the window's synchronising micro-batch; every: a reduce-scatter after every backward) and, on
@@ -66,9 +66,9 @@ LM = ["model=transformer", "model.d_model=16", "model.mlp_ratio=2", "model.n_lay
       "lr_scheduler=none", "trainer.max_epochs=1", "trainer.threads_per_worker=1",
       "trainer.progress_bar=false", "trainer.checkpoint_every=0"]
 
-FSDP, HSDP_2x1, HSDP_1x2 = (["trainer.engine=fsdp"],
-                            ["trainer.engine=hsdp", "trainer.replicas=2"],
-                            ["trainer.engine=hsdp", "trainer.replicas=1"])
+FSDP, HSDP_2x1, HSDP_1x2 = (["engine=fsdp"],
+                            ["engine=hsdp", "engine.replicas=2"],
+                            ["engine=hsdp", "engine.replicas=1"])
 EVERY = ["sync.reduce_scatter=every"]
 EVERY_THEN_REPLICAS = [*EVERY, "sync.replica_all_reduce=boundary"]
 ALWAYS = ["sync=always"]
@@ -180,16 +180,16 @@ def test_hsdp_counts_the_all_reduces_across_replicas(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 0])
 def test_hsdp_with_one_replica_is_fsdp_on_a_1d_mesh(pool2, runs, tmp_path, replicas):
-    """Issue 32 fault 1: trainer.replicas=1 (or 0: one per host, the pool's one host) built the
+    """Issue 32 fault 1: engine.replicas=1 (or 0: one per host, the pool's one host) built the
     mesh (1, 2), and torch's FSDP2 then all-reduced every reduce-scattered shard over the
     1-rank replicate group with ReduceOp.AVG (wrong on NCCL < 2.29.7): 3 units x 13
     micro-batches = 39 such calls per rank here. Built as fsdp on a 1-D mesh: none, and the
     parameters fsdp trains, bit for bit."""
-    cfg = plain_cfg([*MLP, "trainer.engine=hsdp", f"trainer.replicas={replicas}", *EVERY])
+    cfg = plain_cfg([*MLP, "engine=hsdp", f"engine.replicas={replicas}", *EVERY])
     outs = pool2.run(sharded_cases.run_recording_all_reduces, cfg, str(tmp_path))
     for out in outs:
         assert out["all_reduce_sizes"].count(1) == 0, out["all_reduce_sizes"]
-        assert out["log"] == ["trainer.engine=hsdp with one replica of 2 ranks: built as fsdp, "
+        assert out["log"] == ["engine=hsdp with one replica of 2 ranks: built as fsdp, "
                               "on a 1-D mesh (no all-reduce over a 1-rank replicate group)"]
     assert outs[0]["summary"]["engine"]["mesh"] == {"replicate": 1, "shard": 2}
     fsdp = runs("fsdp every", EXACT["fsdp every"][1])["params"]
@@ -293,7 +293,8 @@ def test_a_sharded_checkpoint_is_a_directory_with_every_files_digest(runs, tmp_p
     with pytest.raises(checkpoint.ResumeError, match="sha256 differs"):
         checkpoint.verify(newest)
     notes: list[str] = []
-    assert checkpoint.resolve_resume("auto", tmp_path / "run", out["cfg"], 2, notes) == \
+    assert checkpoint.resolve_resume("auto", tmp_path / "run", out["cfg"], 2, notes,
+                                     sharded=True) == \
         (ckpts / "step_00000004.dcp").resolve()
     assert notes and "step_00000005.dcp: corrupt" in notes[0]
 
@@ -303,26 +304,26 @@ def test_resume_across_engines_and_world_sizes_is_refused_where_it_cannot_hold(r
     ddp, fsdp = runs("ddp accumulate", MLP), runs("fsdp boundary", EXACT["fsdp boundary"][1])
     ddp_ckpt = checkpoint.complete(ddp["dir"] / "checkpoints")[0]
     with pytest.raises(checkpoint.ResumeError, match="written by 2 processes, this run has 1"):
-        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, ddp["cfg"], 1, [])
+        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, ddp["cfg"], 1, [], sharded=False)
     with pytest.raises(checkpoint.ResumeError, match="replicated model's checkpoint; this run "
-                                                     "has trainer.engine=fsdp"):
-        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, fsdp["cfg"], 2, [])
+                                                     "has engine=fsdp"):
+        checkpoint.resolve_resume(str(ddp_ckpt), tmp_path, fsdp["cfg"], 2, [], sharded=True)
     # with the global batch fixed, every world size that divides it cuts the same windows
     step_4 = fsdp["dir"] / "checkpoints" / "step_00000004.dcp"
     for world in (1, 3):
-        assert checkpoint.resolve_resume(str(step_4), tmp_path, fsdp["cfg"], world, []) == \
-            step_4.resolve()
+        assert checkpoint.resolve_resume(str(step_4), tmp_path, fsdp["cfg"], world, [],
+                                         sharded=True) == step_4.resolve()
     with pytest.raises(checkpoint.ResumeError, match="is a sharded checkpoint"):
-        checkpoint.resolve_resume(str(step_4), tmp_path, ddp["cfg"], 2, [])
+        checkpoint.resolve_resume(str(step_4), tmp_path, ddp["cfg"], 2, [], sharded=False)
     # with N fixed instead (3 micro-batches of 8 per window), step 4 is window 4 of the epoch on
     # 2 ranks: 4 x 3 x 8 x 2 = 192 samples, a whole number of 1 rank's windows (24 samples) but
     # not of 3 ranks' (72)
     constant = fsdp["cfg"] | {"schedule": {"name": "constant", "accum_steps": 3}}
     meta = checkpoint.verify(step_4) | {"config": constant}
-    checkpoint.refuse_incompatible(step_4, meta, constant, 1)
+    checkpoint.refuse_incompatible(step_4, meta, constant, 1, sharded=True)
     with pytest.raises(checkpoint.ResumeError, match="stopped after window 4 of epoch 0 on 2 "
                                                      "ranks, which is not a window boundary on 3"):
-        checkpoint.refuse_incompatible(step_4, meta, constant, 3)
+        checkpoint.refuse_incompatible(step_4, meta, constant, 3, sharded=True)
 
 
 KILLED = [*MLP, "model.dropout=0.1", *FSDP, *CHECKPOINTS]  # dropout: every rank's RNG matters
@@ -380,23 +381,23 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_
 
 # --- bad input: one line each, before any worker starts -------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
-    ([*FSDP, "precision=fp16"], "precision=fp16 with trainer.engine=fsdp"),
+    ([*FSDP, "precision=fp16"], "precision=fp16 with engine=fsdp"),
     ([*FSDP, "sync=local_sgd"], "sync policy 'local_sgd' averages whole models"),
     ([*FSDP, "sync.compression=powersgd"], "sync.compression=powersgd compresses DDP's buckets"),
-    ([*FSDP, "trainer.replicas=2"], "trainer.replicas is the replicate dimension"),
+    ([*FSDP, "engine.replicas=2"], "engine.replicas is the replicate dimension"),
     ([*FSDP, "sync.replica_all_reduce=boundary"],
-     "sync.replica_all_reduce=boundary is for trainer.engine=hsdp"),
-    ([*FSDP, "trainer.check_replicas=1"], "trainer.check_replicas with trainer.engine=fsdp"),
-    ([*FSDP, "trainer.fsdp_units=layers.*"], "trainer.fsdp_units='layers.*': 'layers.*' matches "
+     "sync.replica_all_reduce=boundary is for engine=hsdp"),
+    ([*FSDP, "trainer.check_replicas=1"], "trainer.check_replicas with engine=fsdp"),
+    ([*FSDP, "engine.fsdp_units=layers.*"], "engine.fsdp_units='layers.*': 'layers.*' matches "
                                              "no module of the model; its modules: 0, 1, 2"),
     ([*FSDP, 'sync.groups=[{params: "0.weight", reduce_scatter: every}]'],
      "sync.groups: FSDP unit '0' holds parameters of groups '0.weight', 'rest' that reduce "
      "differently"),
     ([*FSDP, 'sync.groups=[{params: "0.*", every: 4}]'],
-     "sync.groups[0].every with trainer.engine=fsdp"),
-    (["trainer.engine=hsdp", "trainer.replicas=3"], "trainer.replicas=3 is not allowed"),
+     "sync.groups[0].every with engine=fsdp"),
+    (["engine=hsdp", "engine.replicas=3"], "engine.replicas=3 is not allowed"),
     (["sync.reduce_scatter=every"], "sync.reduce_scatter=every is for sharded engines"),
-    (["trainer.fsdp_units=0"], "trainer.fsdp_units is for sharded engines"),
+    (["engine.fsdp_units=0"], "engine.fsdp_units is for sharded engines"),
     ([*HSDP_2x1, "sync.replica_all_reduce=every"],
      "sync.replica_all_reduce=every with sync.reduce_scatter=boundary"),
     ([*HSDP_2x1, "sync.reduce_scatter=every",
@@ -440,7 +441,7 @@ def test_inspect_params_shows_the_units(tmp_path, monkeypatch, capsys):
                                      "data.in_dim=8", "data.out_dim=2"])
     train.main()
     out = capsys.readouterr().out
-    assert "FSDP units (trainer.fsdp_units), innermost first:" in out
+    assert "FSDP units (engine.fsdp_units), innermost first:" in out
     assert "  0: 2 tensors, 540 bytes, group rest, reduce_scatter=boundary" in out
     assert "  <root>: 2 tensors, 104 bytes" in out
     assert not list(tmp_path.iterdir())  # no run dir
@@ -464,7 +465,7 @@ def test_memory_vs_bytes_sweeps_every_variant_on_the_same_model_data_and_global_
         plain = compose_plain(["experiment=memory_vs_bytes", f"{key}={name}"])
         preflight(plain)
         t = plain["trainer"]
-        engines[name] = (t["engine"], t["devices"], plain["sync"]["reduce_scatter"])
+        engines[name] = (plain["engine"]["name"], t["devices"], plain["sync"]["reduce_scatter"])
         same.add((plain["model"]["d_model"], plain["data"]["num_samples"],
                   plain["schedule"]["global_batch_size"], plain["seed"], t["max_epochs"]))
     assert len(same) == 1

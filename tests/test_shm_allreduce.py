@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce (trainer.allreduce): gloo's result bit for bit, in several
+"""The shared-memory all-reduce (engine.allreduce): gloo's result bit for bit, in several
 buckets and over several backwards, low-precision wires, the fall-back across hosts, a buffer
 without a name (nothing in /dev/shm, whatever is killed), and whole runs that match the
 process-group transport bit for bit."""
@@ -45,7 +45,7 @@ def test_shared_memory_gives_the_process_groups_mean_bit_for_bit(pool2, wire):
 def test_ranks_on_different_hosts_fall_back_or_refuse(pool2):
     assert pool2.run(shm_cases.refused_across_hosts, "auto") == ["unchanged", "unchanged"]
     errors = pool2.run(shm_cases.refused_across_hosts, "shared_memory")
-    assert all(e.startswith("error: trainer.allreduce=shared_memory needs every rank on one "
+    assert all(e.startswith("error: engine.allreduce=shared_memory needs every rank on one "
                             "host") for e in errors)
     assert pool2.run(shm_cases.shm_files) == [[], []]
 
@@ -67,7 +67,7 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
             "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1"]
     runs = {}
     for mode in ("shared_memory", "process_group"):
-        cfg = plain_cfg([*base, f"trainer.allreduce={mode}"])
+        cfg = plain_cfg([*base, f"engine.allreduce={mode}"])
         runs[mode], _ = pool2.run(train_run_rows, cfg, str(tmp_path / mode))
     shm, pg = runs["shared_memory"], runs["process_group"]
     assert len(shm["rows"]) == 2 * 256 // (2 * 16 * 2)
@@ -81,12 +81,12 @@ def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
 
 
 def test_allreduce_mode_is_checked_before_any_worker_starts():
-    with pytest.raises(ConfigError, match="trainer.allreduce='tcp' is not allowed"):
-        preflight(compose_plain(["trainer.allreduce=tcp"]))
+    with pytest.raises(ConfigError, match="engine.allreduce='tcp' is not allowed"):
+        preflight(compose_plain(["engine.allreduce=tcp"]))
     with pytest.raises(ConfigError, match="shared_memory is for CPU ranks"):
-        preflight(compose_plain(["trainer.allreduce=shared_memory", "trainer.backend=nccl"]),
-                 Placement("nccl", 2))
-    preflight(compose_plain(["trainer.allreduce=shared_memory"]))
+        preflight(compose_plain(["engine.allreduce=shared_memory", "trainer.backend=nccl"]),
+                  Placement("nccl", 2))
+    preflight(compose_plain(["engine.allreduce=shared_memory"]))
 
 
 def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():

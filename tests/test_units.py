@@ -154,3 +154,22 @@ def test_cpu_peak_memory_is_the_resident_peak_since_training_started():
     assert meter.summary() | {"peak_mb": 0} == {
         "grad_unsharded_bytes": 40, "grad_sharded_bytes": 24, "grad_held_bytes": 48,
         "peak_mb": 0, "peak_measure": "cpu_peak_rss"}
+
+
+def test_each_engine_declares_what_it_can_carry_out_on_its_class():
+    """The checks ask an engine's capabilities (engines/base.py), never its name."""
+    from gradsync.components import ConfigError
+    from gradsync.engines import ENGINES, able, capabilities
+    from gradsync.engines.fsdp import FSDPEngine, HSDPEngine
+
+    assert list(ENGINES) == ["torch_ddp", "gradsync", "fsdp", "hsdp"]
+    assert [capabilities(n) is ENGINES[n].engine.capabilities for n in ENGINES] == [True] * 4
+    assert able("sharded") == ["fsdp", "hsdp"] and able("replicas") == ["hsdp"]
+    assert able("per_bucket") == ["gradsync"]
+    assert able("gradient_probe") == able("trace_sync") == able("sync_batchnorm") == \
+        able("shared_memory") == ["torch_ddp", "gradsync"]
+    assert [capabilities(n).compile_min_bucket_mb for n in ENGINES] == [1.0, 0.0, 0.0, 0.0]
+    assert issubclass(HSDPEngine, FSDPEngine)
+    with pytest.raises(ConfigError, match=r"^engine.name='ddp' is not allowed: one of torch_ddp, "
+                                          r"gradsync, fsdp, hsdp$"):
+        capabilities("ddp")

@@ -1,5 +1,5 @@
 """A parameter that got no gradient in a synchronising backward (issue 30, part 4): on every
-engine one line naming the parameters and trainer.find_unused_parameters=true, exit 1, the run
+engine one line naming the parameters and engine.find_unused_parameters=true, exit 1, the run
 dir and the checkpoints written before intact (torch_ddp said "Expected to have finished
 reduction in the prior iteration" one forward later, naming nothing; fsdp, where the ranks
 missed different parameters, died by SIGABRT in gloo's reduce-scatter). With the option, every
@@ -37,15 +37,15 @@ def job(tmp_path: Path, cli_env: dict, *args: str) -> Job:
 
 # the branch as an FSDP unit of its own, skipped by rank 0 alone: rank 1 reduce-scatters it in
 # FSDP's final callback, where rank 0's next collective was the root's (a timeout)
-OWN_UNIT = ("trainer.fsdp_units=aux", "trainer.timeout_s=20")
+OWN_UNIT = ("engine.fsdp_units=aux", "trainer.timeout_s=20")
 
 
 @pytest.mark.parametrize("engine,by_rank,extra", [
     ("torch_ddp", False, ()), ("gradsync", False, ()), ("fsdp", False, ()), ("fsdp", True, ()),
-    ("hsdp", True, ("trainer.replicas=2",)), ("fsdp", True, OWN_UNIT)])
+    ("hsdp", True, ("engine.replicas=2",)), ("fsdp", True, OWN_UNIT)])
 def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env, engine,
                                                                by_rank, extra):
-    run = job(tmp_path, cli_env, f"trainer.engine={engine}", f"+model.by_rank={by_rank}",
+    run = job(tmp_path, cli_env, f"engine={engine}", f"+model.by_rank={by_rank}",
               *extra)
     code, _, err = run.finish()
     assert code == 1, err
@@ -55,7 +55,7 @@ def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env
         rf"gradsync: training failed: rank ({ranks}) failed: UnusedParameters: rank \1: 2 "
         r"parameter\(s\) got no gradient in this synchronising backward: aux\.weight, "
         r"aux\.bias; the forward did not use them, so .*\. Set "
-        r"trainer\.find_unused_parameters=true, or leave them out of the model "
+        r"engine\.find_unused_parameters=true, or leave them out of the model "
         r"\(docs/debugging\.md\)", line), line
     assert "Traceback" not in err and "SIGABRT" not in err and "Timed out" not in err, err
     run_dir = run.run_dir
@@ -69,8 +69,8 @@ def test_a_parameter_without_gradient_ends_the_run_in_one_line(tmp_path, cli_env
 
 @pytest.mark.parametrize("engine", ["torch_ddp", "fsdp"])
 def test_with_find_unused_parameters_every_engine_trains_the_branch(tmp_path, cli_env, engine):
-    run = job(tmp_path, cli_env, f"trainer.engine={engine}", "+model.by_rank=true",
-              "trainer.find_unused_parameters=true")
+    run = job(tmp_path, cli_env, f"engine={engine}", "+model.by_rank=true",
+              "engine.find_unused_parameters=true")
     code, _, err = run.finish()
     assert code == 0, err
     summary = json.loads((run.run_dir / "summary.json").read_text())
@@ -81,7 +81,7 @@ def test_fsdp_reduces_what_the_window_accumulated(tmp_path, cli_env):
     """Windows of 2 (the branch used on the first micro-batch, inside no_sync, skipped on the
     synchronising second): FSDP reduce-scatters what accumulated, so it trains; torch's DDP
     reduces what the synchronising backward produced, so torch_ddp stops."""
-    fsdp = job(tmp_path / "fsdp", cli_env, "trainer.engine=fsdp", "schedule.accum_steps=2")
+    fsdp = job(tmp_path / "fsdp", cli_env, "engine=fsdp", "schedule.accum_steps=2")
     code, _, err = fsdp.finish()
     assert code == 0, err
     ddp = job(tmp_path / "ddp", cli_env, "schedule.accum_steps=2")

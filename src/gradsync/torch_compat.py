@@ -23,7 +23,7 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   ``FSDPState._root_post_backward_final_callback``, and reads ``reduce_grads``,
   ``_training_state``, ``fsdp_params`` and each ``FSDPParam``'s ``_unsharded_param``,
   ``unsharded_accumulated_grad``, ``sharded_param`` and ``_param_fqn``: read against 2.13 only.
-  ``trainer.find_unused_parameters`` there needs ``set_reduce_scatter_unused_params``
+  ``engine.find_unused_parameters`` there needs ``set_reduce_scatter_unused_params``
   (``fsdp_reduces_unused``; refused where it is missing).
 """
 
@@ -56,7 +56,7 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
 
 def fsdp_reduces_unused() -> bool:
     """Whether FSDP2 can reduce-scatter zeros for parameters without gradient
-    (``set_reduce_scatter_unused_params``: trainer.find_unused_parameters on a sharded engine)."""
+    (``set_reduce_scatter_unused_params``: engine.find_unused_parameters on a sharded engine)."""
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")

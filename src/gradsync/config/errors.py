@@ -15,7 +15,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
 from gradsync.config import validate
 from gradsync.config.hydra import compose_command_line, node_of
-from gradsync.config.validate import RUNTIME, renamed, runtime_arguments
+from gradsync.config.renames import renamed
+from gradsync.config.validate import RUNTIME, runtime_arguments
 
 E = TypeVar("E", bound=BaseException)
 

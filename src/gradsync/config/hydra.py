@@ -20,7 +20,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from gradsync.config.schema import SCHEMA_GROUPS, LossConfig, TrainerConfig
+from gradsync.config.renames import refuse_renamed_overrides
+from gradsync.config.schema import (
+    SCHEMA_GROUPS,
+    CompileConfig,
+    EngineConfig,
+    LossConfig,
+    NoiseScaleConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -32,6 +40,9 @@ class Config:
     precision: Any = MISSING
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    noise_scale: NoiseScaleConfig = field(default_factory=NoiseScaleConfig)
     lr_scheduler: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     lr_scaling: Any = MISSING
@@ -121,6 +132,7 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    refuse_renamed_overrides(overrides)
     register_configs()
     with initialize_config_dir(config_dir=config_dir or CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=replace_mappings(overrides))

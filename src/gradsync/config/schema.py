@@ -44,9 +44,6 @@ def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -
                 value)
 
 
-# trainer.engine (gradsync/engines; docs/engines.md, docs/sharded.md)
-ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
-SHARDED_ENGINES = ("fsdp", "hsdp")  # FSDP2: sharded parameters, sharded checkpoints
 ALLREDUCE = ("auto", "shared_memory", "process_group")
 BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
 # Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
@@ -64,33 +61,6 @@ MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-DDP_FIRST_BUCKET_MB = 1.0  # torch's DDPOptimizer: its first bucket, no larger than the others
-
-
-def check_compile(tr: TrainerConfig) -> None:
-    """trainer.compile=true: an engine, backend, mode and bucket size torch.compile can run;
-    false: no compile_* setting (it would do nothing)."""
-    if not tr.compile:
-        for key in ("compile_backend", "compile_mode", "compile_dynamic"):
-            if getattr(tr, key) != TrainerConfig.__dataclass_fields__[key].default:
-                raise ConfigError(f"trainer.{key}={getattr(tr, key)!r} is for trainer.compile="
-                                  "true (it is false: nothing is compiled)")
-        return
-    from torch._dynamo import list_backends  # a second's import: only when compiling
-
-    backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
-    require(tr.compile_backend in backends, "trainer.compile_backend",
-            f"one of {', '.join(backends)}", tr.compile_backend)
-    if tr.compile_mode is not None:
-        require(tr.compile_mode in COMPILE_MODES, "trainer.compile_mode",
-                f"null or one of {', '.join(COMPILE_MODES)}", tr.compile_mode)
-        require(tr.compile_backend == "inductor", "trainer.compile_mode",
-                "null with trainer.compile_backend other than inductor (modes are inductor's)",
-                tr.compile_mode)
-    if tr.engine == "torch_ddp" and tr.bucket_cap_mb < DDP_FIRST_BUCKET_MB:
-        raise ConfigError(f"trainer.bucket_cap_mb={tr.bucket_cap_mb} with trainer.compile=true: "
-                          f"torch's DDPOptimizer needs buckets of at least {DDP_FIRST_BUCKET_MB:g}"
-                          " MB (its first bucket's size)")
 
 
 @dataclass
@@ -101,44 +71,17 @@ class TrainerConfig:
     log_every: int = 10  # optimizer steps between TensorBoard/console logs
     eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
-    engine: str = "torch_ddp"  # the data-parallel engine: torch_ddp | gradsync | fsdp | hsdp
-    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
-    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
-    # dimension (0: one replica per host)
-    fsdp_units: str = "auto"
-    replicas: int = 0
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
-    gradient_as_bucket_view: bool = True
-    bucket_cap_mb: float = 25.0
-    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
     timeout_s: int = 300  # process-group timeout
     deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
-    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
-    # a parameter is an error
-    find_unused_parameters: bool = False
-    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
-    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
-    sync_batchnorm: bool = False
-    # torch.compile (every engine; docs/components.md "Compile"): its backend (inductor,
-    # aot_eager, ...), mode (inductor's: default, reduce-overhead, max-autotune...) and dynamic
-    # shapes (null: torch's default, dynamic after the first shape change)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_mode: str | None = None
-    compile_dynamic: bool | None = None
-    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
     fail_at_step: int = -1  # test aid: the last rank raises after this optimizer step
     requeue: bool = True  # under SLURM, SIGUSR1/SIGUSR2: checkpoint, then scontrol requeue
-    # the gradient noise scale, measured at every synchronising window (docs/noise-scale.md);
-    # also on whenever schedule=adaptive or lr_scaling=adascale needs it
-    noise_scale: bool = False
-    noise_scale_decay: float = 0.95  # of the exponential moving averages, per measured window
 
     def check(self, device_type: str) -> None:
         """device_type: where the ranks compute (the job's placement), cpu or cuda."""
@@ -155,24 +98,100 @@ class TrainerConfig:
                 "-1 (never) or an integer >= 1", self.fail_at_step)
         require(finite(self.clip_grad_norm) and self.clip_grad_norm >= 0,
                 "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
-        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
-                "trainer.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
-                self.bucket_cap_mb)
         require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
                 self.backend)
-        require(self.engine in ENGINES, "trainer.engine", f"one of {', '.join(ENGINES)}",
-                self.engine)
-        require(self.allreduce in ALLREDUCE, "trainer.allreduce",
+
+
+@dataclass
+class CompileConfig:
+    """compile.*: torch.compile, on every engine (docs/components.md "Compile"; what each
+    engine compiles: engines/compiled.py): its backend (inductor, aot_eager, ...), mode
+    (inductor's: default, reduce-overhead, max-autotune...) and dynamic shapes (null: torch's
+    default, dynamic after the first shape change)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+
+    def check(self) -> None:
+        """enabled: a backend and mode torch.compile can run (the engine's bucket size: its
+        capabilities, config/validate.py check_engine); off: no other compile.* setting (it
+        would do nothing)."""
+        check_types(self, "compile")
+        if not self.enabled:
+            for key in ("backend", "mode", "dynamic"):
+                if getattr(self, key) != CompileConfig.__dataclass_fields__[key].default:
+                    raise ConfigError(f"compile.{key}={getattr(self, key)!r} is for "
+                                      "compile.enabled=true (it is false: nothing is compiled)")
+            return
+        from torch._dynamo import list_backends  # a second's import: only when compiling
+
+        backends = sorted(set(list_backends(exclude_tags=())) | {"inductor"})
+        require(self.backend in backends, "compile.backend", f"one of {', '.join(backends)}",
+                self.backend)
+        if self.mode is not None:
+            require(self.mode in COMPILE_MODES, "compile.mode",
+                    f"null or one of {', '.join(COMPILE_MODES)}", self.mode)
+            require(self.backend == "inductor", "compile.mode",
+                    "null with compile.backend other than inductor (modes are inductor's)",
+                    self.mode)
+
+
+@dataclass
+class NoiseScaleConfig:
+    """noise_scale.*: the gradient noise scale, measured at every synchronising window
+    (docs/noise-scale.md); measured also whenever schedule=adaptive or lr_scaling=adascale needs
+    it, enabled or not."""
+
+    enabled: bool = False
+    decay: float = 0.95  # of the exponential moving averages, per measured window
+
+    def check(self) -> None:
+        check_types(self, "noise_scale")
+        require(finite(self.decay) and 0 < self.decay < 1, "noise_scale.decay",
+                "a number in (0, 1)", self.decay)
+
+
+@dataclass
+class EngineConfig:
+    """engine=<name> (conf/engine/<name>.yaml): the data-parallel engine, one of
+    gradsync.engines.ENGINES (docs/engines.md, docs/sharded.md), and its settings. A setting
+    the chosen engine does not use is refused (its capabilities: engines/base.py; the sharded
+    engines' checks: engines/fsdp.py check_config)."""
+
+    name: str = "torch_ddp"
+    # the DDP engines (torch_ddp, gradsync)
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
+    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
+    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
+    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
+    sync_batchnorm: bool = False
+    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
+    # a parameter is an error
+    find_unused_parameters: bool = False
+    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
+    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
+    # dimension (0: one replica per host)
+    fsdp_units: str = "auto"
+    replicas: int = 0
+
+    def check(self, device_type: str) -> None:
+        """device_type: where the ranks compute (the job's placement), cpu or cuda."""
+        check_types(self, "engine")
+        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
+                "engine.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
+                self.bucket_cap_mb)
+        require(self.allreduce in ALLREDUCE, "engine.allreduce",
                 f"one of {', '.join(ALLREDUCE)}", self.allreduce)
-        require(finite(self.noise_scale_decay) and 0 < self.noise_scale_decay < 1,
-                "trainer.noise_scale_decay", "a number in (0, 1)", self.noise_scale_decay)
         if self.sync_batchnorm and device_type != "cuda":
-            raise ConfigError("trainer.sync_batchnorm=true needs CUDA ranks: torch's "
+            raise ConfigError("engine.sync_batchnorm=true needs CUDA ranks: torch's "
                               "SyncBatchNorm computes its statistics on the GPU only (no CPU "
                               "kernel); on CPU ranks each rank keeps its own batch statistics")
-        check_compile(self)
         if self.allreduce == "shared_memory" and device_type == "cuda":
-            raise ConfigError("trainer.allreduce=shared_memory is for CPU ranks on gloo; on "
+            raise ConfigError("engine.allreduce=shared_memory is for CPU ranks on gloo; on "
                               "CUDA nccl all-reduces: use auto or process_group")
 
 
@@ -234,8 +253,8 @@ class GlobalBatchScheduleConfig:
 @dataclass
 class AdaptiveScheduleConfig:
     """N follows the measured gradient noise scale: the global batch is kept near scale x
-    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every` optimizer
-    steps (docs/noise-scale.md)."""
+    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every_steps`
+    optimizer steps (docs/noise-scale.md)."""
 
     name: str = "adaptive"
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
@@ -243,13 +262,13 @@ class AdaptiveScheduleConfig:
     initial_accum_steps: int = 1  # until the first decision
     min_accum_steps: int = 1
     max_accum_steps: int = 16
-    every: int = 10  # optimizer steps between decisions: N changes at most this often
+    every_steps: int = 10  # optimizer steps between decisions: N changes at most this often
 
     def check(self, world_size: int, micro_batch_size: int) -> None:
         check_types(self, "schedule")
         _in_range(self, "schedule", {"initial_accum_steps": (1, MAX_ACCUM), "min_accum_steps":
                                      (1, MAX_ACCUM), "max_accum_steps": (1, MAX_ACCUM),
-                                     "every": (1, None)})
+                                     "every_steps": (1, None)})
         require(finite(self.scale) and self.scale > 0, "schedule.scale", "a finite number > 0",
                 self.scale)
         require(self.min_accum_steps <= self.max_accum_steps, "schedule.max_accum_steps",
@@ -385,6 +404,9 @@ class RunConfig:
     schedule: ScheduleConfig
     precision: PrecisionConfig
     trainer: TrainerConfig
+    engine: EngineConfig
+    compile: CompileConfig
+    noise_scale: NoiseScaleConfig
     loss: LossConfig
     lr_scaling: LRScalingConfig
     seed: int
@@ -406,6 +428,9 @@ class RunConfig:
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
+                   engine=typed(EngineConfig, plain["engine"]),
+                   compile=typed(CompileConfig, plain["compile"]),
+                   noise_scale=typed(NoiseScaleConfig, plain["noise_scale"]),
                    loss=typed(LossConfig, plain["loss"]),
                    lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
                    seed=plain["seed"], resume=plain["resume"])
@@ -417,7 +442,8 @@ class RunConfig:
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
-        for group in ("schedule", "precision", "trainer", "loss", "lr_scaling"):
+        for group in ("schedule", "precision", "trainer", "engine", "compile", "noise_scale",
+                      "loss", "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -428,6 +454,9 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "schedule": SCHEDULES,
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
+    "engine": {"default": EngineConfig},
+    "compile": {"default": CompileConfig},
+    "noise_scale": {"default": NoiseScaleConfig},
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }

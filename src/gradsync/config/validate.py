@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from gradsync.components import ConfigError, accepts, locate, require
+from gradsync.config.renames import refuse_renamed_keys
 from gradsync.config.schema import COMPONENTS, SCHEMA_GROUPS, TOP_KEYS, RunConfig
 
 __all__ = ["ConfigError", "RunConfig", "validate"]
@@ -42,17 +43,6 @@ DATA_SIZES = ("in_dim", "out_dim", "vocab_size", "max_len")
 RUNTIME = {"model": DATA_SIZES, "data": ("seed",), "sync": ("uses_scaler", "world_size", "counts"),
            "optimizer": ("params",), "lr_scheduler": ("optimizer", "total_steps")}
 
-# Options renamed: the old key answers with one line naming the new one (config/errors.py for an
-# override Hydra refuses, check_shape for a key a config file or a `+key=` still sets).
-RENAMED = {"data.micro_batch_size": "schedule.micro_batch_size"}
-
-
-def renamed(key: str) -> str | None:
-    """The one line an old key answers with; None for a key that was never renamed."""
-    new = RENAMED.get(key.lstrip("+~"))
-    return None if new is None else f"{key.lstrip('+~')} is now {new}: set {new} instead"
-
-
 def runtime_arguments(group: str, data_node: dict[str, Any] | None = None) -> tuple[str, ...]:
     """The names the worker passes a group's component itself: for the model, the sizes the
     data declares with @provides (the built-in size names if it declares none)."""
@@ -71,10 +61,7 @@ def first_line(text: str) -> str:
 def check_shape(plain: dict[str, Any]) -> None:
     """The config's keys: none renamed or unknown, each component a _target_, the micro-batch
     size."""
-    for old in RENAMED:
-        group, _, key = old.partition(".")
-        if isinstance(plain.get(group), dict) and key in plain[group]:
-            raise ConfigError(renamed(old) or old)
+    refuse_renamed_keys(plain)
     check_known_keys(plain)
     for group in COMPONENTS:
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
@@ -91,6 +78,9 @@ def validate(plain: dict[str, Any], world_size: int, device_type: str) -> RunCon
     check_shape(plain)
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(device_type)
+    cfg.engine.check(device_type)
+    cfg.compile.check()
+    cfg.noise_scale.check()
     require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",
             "an integer in [0, 2**63)", cfg.seed)
     require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")

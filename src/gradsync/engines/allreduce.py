@@ -1,7 +1,7 @@
 """The policy's gradient all-reduce, as the data-parallel engines run it (torch_ddp and gradsync
 alike): the policy's comm hook (``policy.comm_hook()``: DDP's all-reduce in the bucket's dtype
 or a wire dtype, PowerSGD, sync.groups' per-group wires), through the shared-memory transport
-where ``trainer.allreduce`` allows it (CPU ranks of one host, sync/shm_allreduce.py), inside
+where ``engine.allreduce`` allows it (CPU ranks of one host, sync/shm_allreduce.py), inside
 gradsync's counting hook (sync/comm.py), which also feeds the sync trace."""
 
 from __future__ import annotations

@@ -14,16 +14,20 @@ One micro-batch, as the loop runs it (train/loop.py run_window)::
         out = engine(x)                     # the forward decides whether the backward syncs
         loss(out, y).backward()             # a syncing backward all-reduces (the comm hook)
 
-An engine is built by a function registered in ``gradsync.engines.ENGINES`` under its
-``trainer.engine`` name, from the model, the policy (its ``bind`` names the parameters the
+An engine is built by a function registered in ``gradsync.engines.ENGINES`` under its name
+(``engine=<name>``, conf/engine/<name>.yaml), beside its class, whose ``capabilities`` say what
+it can carry out (the checks before any worker starts and the worker read those, never the
+engine's name). It is built from the model, the policy (its ``bind`` names the parameters the
 engine must leave alone, its ``comm_hook`` is the all-reduce to run), the rank's placement and
-the trainer settings; it counts what it puts on the wire in the run's ``CommCounts``.
+the engine settings (``engine.*``); it counts what it puts on the wire in the run's
+``CommCounts``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,15 +39,41 @@ from gradsync.sync.comm import CommCounts
 from gradsync.train.memory import MemoryMeter
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can carry out, declared on its class (``capabilities``): every check of
+    another choice against the engine, and the worker's choices (checkpoint format), ask these."""
+
+    # parameters sharded over the ranks (FSDP2): sharded checkpoints (torch.distributed.checkpoint),
+    # sync.reduce_scatter, engine-specific checks (engines/fsdp.py check_config)
+    sharded: bool = False
+    # a replicate dimension across shard groups (engine.replicas): HSDP
+    replicas: bool = False
+    # carries out a policy's per-bucket decisions (sync_bucket): gradsync's own DDP
+    per_bucket: bool = False
+    # all-reduces inside gradsync's counting hook (sync/comm.py), where the noise scale's
+    # gradient probe is taken
+    gradient_probe: bool = False
+    # engine.trace_sync's recorder (engines/trace.py) and engine.sync_batchnorm: the DDP engines
+    trace_sync: bool = False
+    sync_batchnorm: bool = False
+    # engine.allreduce=shared_memory: CPU ranks of one host all-reduce through shared memory
+    shared_memory: bool = False
+    # the smallest engine.bucket_cap_mb with compile.enabled=true (torch's DDPOptimizer: its
+    # first bucket, no larger than the others); 0: any
+    compile_min_bucket_mb: float = 0.0
+
+
 class Engine(Protocol):
-    name: str  # trainer.engine
+    name: str  # engine=<name>
+    capabilities: Capabilities  # on the class: what it can carry out (the checks read these)
     # The model itself (no wrapper): what is evaluated, what a policy averages and inspects
     # (local SGD's anchor, overflow consensus), whose parameter names checkpoints keep.
     module: nn.Module
     counts: CommCounts  # what crossed the wire: the engine's all-reduces and a policy's own
     transport: str  # how the gradients travel: process_group | shared_memory
-    trace: SyncTrace | None  # trainer.trace_sync's recorder (engines/trace.py), or None
-    compiled: Compile | None  # trainer.compile: how, and its graphs and seconds (compiled.py)
+    trace: SyncTrace | None  # engine.trace_sync's recorder (engines/trace.py), or None
+    compiled: Compile | None  # compile.enabled: how, and its graphs and seconds (compiled.py)
     # the gradient bytes held after each backward (the engine records them on leaving
     # micro_batch()) and the rank's peak memory (train/memory.py)
     memory: MemoryMeter

@@ -10,7 +10,7 @@ what every checkpoint holds, and on the DDP engines it changes no bit of trainin
 that trains replicas apart (local SGD, DiLoCo: ``syncs_parameters``) keeps each rank's own, and
 buffers a policy keeps consistent itself (``policy.bind``) are left to it.
 
-``trainer.sync_batchnorm=true`` (the DDP engines) goes further: every BatchNorm layer becomes
+``engine.sync_batchnorm=true`` (the DDP engines) goes further: every BatchNorm layer becomes
 ``torch.nn.SyncBatchNorm``, whose training forward normalises with the statistics of every
 rank's micro-batch (an all-gather per layer and forward, no_sync micro-batches included), so
 the running statistics are the same on every rank after every forward. torch computes them on
@@ -35,7 +35,7 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
 
 
 def to_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """trainer.sync_batchnorm: the model with every BatchNorm layer a SyncBatchNorm over the
+    """engine.sync_batchnorm: the model with every BatchNorm layer a SyncBatchNorm over the
     default group (the same parameters and buffers, moved over); the root itself if it is one."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 

@@ -1,4 +1,4 @@
-"""trainer.compile: torch.compile where each engine needs it (docs/components.md "Compile").
+"""compile.enabled: torch.compile where each engine needs it (docs/components.md "Compile").
 
 - torch_ddp: the DDP wrapper, compiled. Dynamo runs DDP's own forward eagerly and
   compiles the model inside it with its DDPOptimizer, which splits the graph at DDP's bucket

@@ -1,14 +1,14 @@
-"""trainer.engine=fsdp and trainer.engine=hsdp: FSDP2, torch's ``fully_shard``.
+"""engine=fsdp and engine=hsdp: FSDP2, torch's ``fully_shard``.
 
 Every rank holds a shard of each parameter (dim 0, padded to a multiple of the shard group). The
-model is cut into *units*, each one ``fully_shard`` call (``trainer.fsdp_units``: a glob over
+model is cut into *units*, each one ``fully_shard`` call (``engine.fsdp_units``: a glob over
 module names; ``auto``: the model's own choice, each transformer block, each hidden layer of
 the MLP; the root is always the last unit and keeps what no other unit took). A unit's
 parameters are all-gathered before its forward (and again before its backward), and its
 gradients reduce-scattered after its backward: one collective per unit. ``hsdp`` shards inside
-groups of ``world / trainer.replicas`` ranks and replicates across ``trainer.replicas`` such
+groups of ``world / engine.replicas`` ranks and replicates across ``engine.replicas`` such
 groups (a 2-D mesh): after the reduce-scatter, the shards are all-reduced across replicas.
-``hsdp`` with one replica (``trainer.replicas=1``, or 0 on one host) is built as ``fsdp``, on a
+``hsdp`` with one replica (``engine.replicas=1``, or 0 on one host) is built as ``fsdp``, on a
 1-D mesh, and says so in the log: on the mesh (1, W) torch's FSDP2 all-reduces every
 synchronised gradient over the 1-rank replicate group with ``ReduceOp.AVG``
 (``_get_gradient_divide_factors`` special-cases only a data-parallel size of 1), a wasted
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.components import ConfigError, require
-from gradsync.config.schema import SHARDED_ENGINES
+from gradsync.components import RESERVED, ConfigError, locate, parameters, require
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -61,11 +61,12 @@ AUTO_UNITS = "auto"
 # the attribute a model names its default units with (globs over module names); none: the
 # root is the only unit
 UNITS_ATTRIBUTE = "fsdp_units"
+SHARDED_FLAVOURS = ("reduce_scatter", "replica_all_reduce")  # a policy's sharded settings
 
 
 # --- which modules become units ---------------------------------------------------------------
 def unit_globs(model: nn.Module, rule: str) -> list[str]:
-    """trainer.fsdp_units as globs ('|' between alternatives); auto: the model's own."""
+    """engine.fsdp_units as globs ('|' between alternatives); auto: the model's own."""
     if rule == AUTO_UNITS:
         return list(getattr(model, UNITS_ATTRIBUTE, ()))
     return [g.strip() for g in rule.split("|") if g.strip()]
@@ -80,7 +81,7 @@ def unit_names(model: nn.Module, rule: str) -> list[str]:
     for glob in unit_globs(model, rule):
         hits = [n for n in names if fnmatchcase(n, glob)]
         if not hits:
-            raise ConfigError(f"trainer.fsdp_units={rule!r}: {glob!r} matches no module of the "
+            raise ConfigError(f"engine.fsdp_units={rule!r}: {glob!r} matches no module of the "
                               f"model; its modules: {', '.join(names[:24])}"
                               f"{' ...' if len(names) > 24 else ''}")
         chosen |= {n for n in hits if not any(n.startswith(f"{h}.") for h in hits)}
@@ -126,7 +127,7 @@ def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan
             raise ConfigError(f"sync.groups: FSDP unit {unit or '<root>'!r} holds parameters of "
                               f"groups {', '.join(map(repr, groups))} that reduce differently; "
                               "a unit's gradients go out in one reduce-scatter: make the rules "
-                              "follow the units (trainer.fsdp_units; +inspect=params shows "
+                              "follow the units (engine.fsdp_units; +inspect=params shows "
                               "them)")
         nbytes = sum(params[n].numel() * params[n].element_size() for n in names)
         out.append(UnitPlan(unit, names, kinds.pop() if kinds else ShardedSync(), nbytes))
@@ -135,7 +136,7 @@ def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan
 
 def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> str:
     """+inspect=params under a sharded engine: each unit, its parameters and reduction."""
-    lines = ["FSDP units (trainer.fsdp_units), innermost first:"]
+    lines = ["FSDP units (engine.fsdp_units), innermost first:"]
     for u in plan_units(model, rule, policy):
         wire = _dtype_name(u.sync.wire) or "the gradients' dtype"
         replicas = f", replica_all_reduce={u.sync.replica_all_reduce}" if hsdp else ""
@@ -146,66 +147,70 @@ def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> s
 
 
 # --- checks before any worker starts ----------------------------------------------------------
-def check_config(engine: str, trainer: Any, sync_args: dict[str, Any], precision: str,
-                 world_size: int, policy: Callable[[], SyncPolicy],
+def check_config(engine: Any, can: Capabilities, check_replicas: int, sync: dict[str, Any],
+                 precision: str, world_size: int, policy: Callable[[], SyncPolicy],
                  model: Callable[[], nn.Module]) -> None:
     """What a sharded engine cannot run, and the sharded-only settings on another engine, as
-    one-line ConfigErrors. policy/model: build the run's policy and (meta) model when asked."""
+    one-line ConfigErrors. engine: the run's EngineConfig; can: its capabilities; sync: the
+    sync node; policy/model: build the run's policy and (meta) model when asked."""
+    sync_args = {k: v for k, v in sync.items() if k not in RESERVED}
     rules = sync_args.get("groups") or []
-    defaults = {"reduce_scatter": "boundary", "replica_all_reduce": "same"}
+    # a sharded flavour differs from the policy's own default (its signature: the one source)
+    params = parameters(locate(sync["_target_"]))
+    defaults = {k: params[k].default for k in SHARDED_FLAVOURS if k in params}
     flavours = [f"sync.{k}={sync_args[k]}" for k, default in defaults.items()
                 if sync_args.get(k, default) != default]
     flavours += [f"sync.groups[{i}].{k}" for i, r in enumerate(rules) if isinstance(r, dict)
-                 for k in ("reduce_scatter", "replica_all_reduce") if r.get(k) is not None]
-    if engine not in SHARDED_ENGINES:
+                 for k in SHARDED_FLAVOURS if r.get(k) is not None]
+    if not can.sharded:
         if flavours:
-            raise ConfigError(f"{flavours[0]} is for sharded engines: set trainer.engine=fsdp or "
-                              f"hsdp (trainer.engine={engine} all-reduces whole gradients)")
-        if trainer.fsdp_units != AUTO_UNITS:
-            raise ConfigError(f"trainer.fsdp_units is for sharded engines: set trainer.engine="
-                              f"fsdp or hsdp (trainer.engine={engine})")
-        if trainer.replicas != 0:
-            raise ConfigError(f"trainer.replicas is the replicate dimension of trainer.engine="
-                              f"hsdp (trainer.engine={engine})")
+            raise ConfigError(f"{flavours[0]} is for sharded engines: set engine=fsdp or "
+                              f"hsdp (engine={engine.name} all-reduces whole gradients)")
+        if engine.fsdp_units != AUTO_UNITS:
+            raise ConfigError(f"engine.fsdp_units is for sharded engines: set engine="
+                              f"fsdp or hsdp (engine={engine.name})")
+        if engine.replicas != 0:
+            raise ConfigError(f"engine.replicas is the replicate dimension of engine="
+                              f"hsdp (engine={engine.name})")
         return
-    where = f"trainer.engine={engine}"
+    where = f"engine={engine.name}"
     if precision == "fp16":
         raise ConfigError(f"precision=fp16 with {where}: the GradScaler would see only each "
                           "rank's shard of the gradients; use bf16 (FSDP's MixedPrecisionPolicy)")
-    if trainer.check_replicas:
+    if check_replicas:
         raise ConfigError(f"trainer.check_replicas with {where}: ranks hold different shards by "
                           "design; set trainer.check_replicas=0")
-    if trainer.allreduce == "shared_memory":
-        raise ConfigError(f"trainer.allreduce=shared_memory with {where}: FSDP reduce-scatters "
+    if engine.allreduce == "shared_memory":
+        raise ConfigError(f"engine.allreduce=shared_memory with {where}: FSDP reduce-scatters "
                           "through the process group; use auto or process_group")
-    if trainer.find_unused_parameters and not fsdp_reduces_unused():
-        raise ConfigError(f"trainer.find_unused_parameters with {where}: this torch's FSDP2 has "
+    if engine.find_unused_parameters and not fsdp_reduces_unused():
+        raise ConfigError(f"engine.find_unused_parameters with {where}: this torch's FSDP2 has "
                           "no set_reduce_scatter_unused_params (torch >= 2.13); use "
-                          "trainer.engine=torch_ddp or gradsync")
-    if engine == "fsdp":
-        if trainer.replicas != 0:
-            raise ConfigError("trainer.replicas is the replicate dimension of trainer.engine="
-                              "hsdp; trainer.engine=fsdp shards over every rank")
+                          "engine=torch_ddp or gradsync")
+    if not can.replicas:
+        if engine.replicas != 0:
+            raise ConfigError("engine.replicas is the replicate dimension of engine="
+                              "hsdp; engine=fsdp shards over every rank")
         ar = [f for f in flavours if "replica_all_reduce" in f]
         if ar:
-            raise ConfigError(f"{ar[0]} is for trainer.engine=hsdp (the all-reduce across "
-                              "replicas); trainer.engine=fsdp has one shard group")
+            raise ConfigError(f"{ar[0]} is for engine=hsdp (the all-reduce across "
+                              "replicas); engine=fsdp has one shard group")
     else:
-        require(isinstance(trainer.replicas, int) and trainer.replicas >= 0
-                and (trainer.replicas == 0 or world_size % trainer.replicas == 0),
-                "trainer.replicas", f"0 (one replica per node) or a divisor of the world size "
-                f"{world_size}", trainer.replicas)
+        require(isinstance(engine.replicas, int) and engine.replicas >= 0
+                and (engine.replicas == 0 or world_size % engine.replicas == 0),
+                "engine.replicas", f"0 (one replica per node) or a divisor of the world size "
+                f"{world_size}", engine.replicas)
     for i, r in enumerate(rules):
         if isinstance(r, dict) and r.get("every") is not None:
             raise ConfigError(f"sync.groups[{i}].every with {where}: a group averaged every K "
                               "windows keeps each rank's own replica, which a sharded model has "
-                              "not; use trainer.engine=torch_ddp")
+                              "not; use engine=torch_ddp")
     built = policy()
     if built.syncs_parameters:
         raise ConfigError(f"sync policy {built.name!r} averages whole models (local SGD, "
                           f"DiLoCo), which {where} does not hold on any rank; use "
-                          "trainer.engine=torch_ddp")
-    plan_units(model(), trainer.fsdp_units, built)
+                          "engine=torch_ddp")
+    plan_units(model(), engine.fsdp_units, built)
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -248,9 +253,10 @@ class Unit:
 
 
 class FSDPEngine:
-    """The engine around a model already cut into fully_shard units."""
+    """The engine around a model already cut into fully_shard units (engine=fsdp)."""
 
     transport = "process_group"
+    capabilities = Capabilities(sharded=True)
 
     def __init__(self, name: str, model: nn.Module, units: list[Unit], mesh: dict[str, int],
                  counts: CommCounts, memory: MemoryMeter, param_dtype: torch.dtype | None,
@@ -261,8 +267,8 @@ class FSDPEngine:
         self.mesh = mesh  # {"replicate": r, "shard": s}
         self.counts = counts
         self.memory = memory
-        self.trace: SyncTrace | None = None  # trainer.trace_sync: the DDP engines only
-        self.compiled: Compile | None = None  # trainer.compile (_build: each unit's forward)
+        self.trace: SyncTrace | None = None  # engine.trace_sync: the DDP engines only
+        self.compiled: Compile | None = None  # compile.enabled (_build: each unit's forward)
         self.param_dtype = param_dtype
         self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 
@@ -343,6 +349,12 @@ class FSDPEngine:
                            "reduce_dtype": _dtype_name(u.reduce_dtype)} for u in self.units]}
 
 
+class HSDPEngine(FSDPEngine):
+    """engine=hsdp: FSDPEngine on a 2-D mesh, shards all-reduced across replicas."""
+
+    capabilities = Capabilities(sharded=True, replicas=True)
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
     """None: the parameters' own (fp32)."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
@@ -417,7 +429,7 @@ def _refuse_unused(units: list[Any]) -> None:
 
 
 def _hosts() -> int:
-    """The number of hosts the ranks run on (trainer.replicas=0: one replica per host)."""
+    """The number of hosts the ranks run on (engine.replicas=0: one replica per host)."""
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return len(set(names))
@@ -436,16 +448,16 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if policy.bind(model):
         raise ConfigError("a sync policy that averages parameter groups itself cannot run on "
-                          f"trainer.engine={name}")
+                          f"engine={name}")
     plan = plan_units(model, fsdp_units, policy)
     replicate = 1
     if name == "hsdp":
         replicate = replicas or _hosts()
         if world_size % replicate:
-            raise ConfigError(f"trainer.engine=hsdp: {replicate} replicas do not divide the "
-                              f"{world_size} ranks evenly; set trainer.replicas")
+            raise ConfigError(f"engine=hsdp: {replicate} replicas do not divide the "
+                              f"{world_size} ranks evenly; set engine.replicas")
         if replicate == 1:  # see the module's docstring
-            log.info("trainer.engine=hsdp with one replica of %d ranks: built as fsdp, on a 1-D "
+            log.info("engine=hsdp with one replica of %d ranks: built as fsdp, on a 1-D "
                      "mesh (no all-reduce over a 1-rank replicate group)", world_size)
     if replicate > 1:
         mesh = init_device_mesh(device.type, (replicate, world_size // replicate),
@@ -473,9 +485,9 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
         units.append(Unit(u, module, reduce_dtype))
     if not find_unused:
         _refuse_unused([u.module for u in units])
-    engine = FSDPEngine(name, model, units, {"replicate": replicate,
-                                             "shard": world_size // replicate}, counts, memory,
-                        param_dtype, find_unused)
+    cls = HSDPEngine if name == "hsdp" else FSDPEngine
+    engine = cls(name, model, units, {"replicate": replicate, "shard": world_size // replicate},
+                 counts, memory, param_dtype, find_unused)
     engine.compiled = compile
     return engine
 

@@ -1,7 +1,7 @@
-"""trainer.engine=gradsync: gradsync's own data-parallel engine, in one module.
+"""engine=gradsync: gradsync's own data-parallel engine, in one module.
 
 What torch's ``DistributedDataParallel`` does in its C++ reducer, written out so that it can be
-read in one sitting, traced (trainer.trace_sync) and extended: with the same bucket partition
+read in one sitting, traced (engine.trace_sync) and extended: with the same bucket partition
 and the same all-reduce it trains the same bits as torch_ddp (tests/test_gradsync_engine.py).
 Its life, each step below commented once where the code does it:
 
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -108,13 +109,15 @@ class GradsyncDDP:
     """The engine (engines/base.py's interface); built by ``build_gradsync_ddp``."""
 
     name = "gradsync"
+    capabilities = Capabilities(per_bucket=True, gradient_probe=True, trace_sync=True,
+                                sync_batchnorm=True, shared_memory=True)
 
     def __init__(self, model: nn.Module, policy: SyncPolicy, ignored: list[str],
                  allreduce: CountingState, transport: str, bucket_cap_mb: float = 25.0,
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
         self.module = model
-        self.compiled: Compile | None = None  # trainer.compile (build_gradsync_ddp)
+        self.compiled: Compile | None = None  # compile.enabled (build_gradsync_ddp)
         self.forward: Any = model  # what a micro-batch runs (compiled or not)
         # the gradient bytes held after each backward (train/memory.py)
         self.memory = memory if memory is not None else MemoryMeter(

@@ -1,12 +1,12 @@
-"""trainer.engine=torch_ddp: torch's ``DistributedDataParallel``.
+"""engine=torch_ddp: torch's ``DistributedDataParallel``.
 
 DDP's C++ reducer puts the gradients in buckets (reverse parameter order, each up to
-``trainer.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
+``engine.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
 gradients became ready after the first synchronising backward) and all-reduces each bucket as
 soon as it is full, overlapping the rest of the backward. ``no_sync()`` around a micro-batch's
 forward and backward keeps its gradients local. The policy chooses the bucket's all-reduce (its
 ``comm_hook``), which runs inside gradsync's counting hook; on CPU ranks of one host it goes
-through shared memory (``trainer.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
+through shared memory (``engine.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
 TCP.
 """
 
@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -35,6 +36,10 @@ class TorchDDP:
     """The engine around an already built ``DistributedDataParallel``."""
 
     name = "torch_ddp"
+    # compiled: torch's DDPOptimizer splits the graph at the buckets, its first one no larger
+    # than the others
+    capabilities = Capabilities(gradient_probe=True, trace_sync=True, sync_batchnorm=True,
+                                shared_memory=True, compile_min_bucket_mb=1.0)
 
     def __init__(self, ddp: DistributedDataParallel, counts: CommCounts | None = None,
                  transport: str = "process_group", grads_to_none: bool | None = None,
@@ -51,7 +56,7 @@ class TorchDDP:
         self.memory = memory if memory is not None else MemoryMeter(
             next(ddp.module.parameters()).device)
         self.transport = transport
-        # trainer.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
+        # engine.trace_sync: what DDP's comm hook sees of each bucket (engines/trace.py)
         self.trace = trace
         # gradients that are views into DDP's buckets stay so (zeroed); set to None they come
         # back as fresh tensors that DDP copies into the buckets at every syncing backward
@@ -63,7 +68,7 @@ class TorchDDP:
         # without find_unused_parameters: which parameters the synchronising backward reached
         # (DDP itself would only fail at the next forward, naming none: engines/unused.py)
         self.witness = witness
-        self.compiled: Compile | None = None  # trainer.compile (build_torch_ddp)
+        self.compiled: Compile | None = None  # compile.enabled (build_torch_ddp)
         self.forward: Any = ddp  # what a training micro-batch runs (compiled or not)
 
     def __call__(self, *inputs: Any) -> Any:

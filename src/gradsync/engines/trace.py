@@ -1,4 +1,4 @@
-"""trainer.trace_sync: every synchronisation of a run, per rank, as a Chrome/Perfetto trace.
+"""engine.trace_sync: every synchronisation of a run, per rank, as a Chrome/Perfetto trace.
 
 Per optimizer step a rank records its micro-batches (forward+backward, synchronising or not)
 and, for every gradient bucket of a synchronising backward: the parameters it holds, the bytes

@@ -1,6 +1,6 @@
 """Parameters that got no gradient in a synchronising backward: one line on every engine.
 
-Without ``trainer.find_unused_parameters`` every parameter that trains must get a gradient in
+Without ``engine.find_unused_parameters`` every parameter that trains must get a gradient in
 every synchronising backward (what accumulated in the window's no_sync micro-batches does not
 count: the engines reduce what the synchronising backward hands them). Left alone, each engine
 fails its own way: torch's DDP one forward later, with a message that names no parameter (and
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-OPTION = "trainer.find_unused_parameters=true"
+OPTION = "engine.find_unused_parameters=true"
 
 
 class UnusedParameters(RuntimeError):

@@ -1,6 +1,6 @@
 """``gradsync-train ... +inspect=params``: the model's parameters (name, shape, bytes) and the
 sync.groups rule each one falls under, from the config the same overrides compose; under a
-sharded engine (trainer.engine=fsdp|hsdp) also its FSDP units and how each one reduces. Nothing
+sharded engine (engine=fsdp|hsdp) also its FSDP units and how each one reduces. Nothing
 is trained and no run dir is made."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import RunConfig
 from gradsync.data.contract import build_data
+from gradsync.engines import capabilities
 from gradsync.models import build_on_meta
 from gradsync.sync.layer_sync import REST, ParamInfo, assign, parameter_infos, parse_rules
 
@@ -56,7 +57,8 @@ def parameters_table(cfg: RunConfig) -> str:
     model = meta_model(cfg.model.node, cfg.data.node, cfg.seed)
     table = parameter_table(parameter_infos(model), sync.get("groups"),
                             sync.get("comm_dtype", "fp32"))
-    if cfg.trainer.engine not in SHARDED_ENGINES:
+    can = capabilities(cfg.engine.name)
+    if not can.sharded:
         return table
     from gradsync.components import build
     from gradsync.engines.fsdp import unit_table
@@ -65,5 +67,4 @@ def parameters_table(cfg: RunConfig) -> str:
 
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
-    hsdp = cfg.trainer.engine == "hsdp"
-    return f"{table}\n\n{unit_table(model, cfg.trainer.fsdp_units, policy, hsdp)}"
+    return f"{table}\n\n{unit_table(model, cfg.engine.fsdp_units, policy, can.replicas)}"

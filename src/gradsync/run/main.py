@@ -33,9 +33,11 @@ from gradsync.config.hydra import (
     replace_mappings,
     to_plain,
 )
+from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.ranks import is_rank0
+from gradsync.engines import capabilities
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -160,7 +162,7 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
         try:
             signum, summary = launch(cfg, placement, run_dir, lock)
         finally:  # what every rank recorded, a failed run's too (engines/trace.py)
-            if cfg.trainer.trace_sync and is_rank0():
+            if cfg.engine.trace_sync and is_rank0():
                 _merge_trace(run_dir)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
@@ -217,7 +219,8 @@ def _resolve_resume(cfg: RunConfig, placement: Placement, run_dir: Path) -> str:
     or none."""
     notes: list[str] = []
     try:
-        path = resolve_resume(cfg.resume, run_dir, cfg.to_plain(), placement.world_size, notes)
+        path = resolve_resume(cfg.resume, run_dir, cfg.to_plain(), placement.world_size, notes,
+                              sharded=capabilities(cfg.engine.name).sharded)
     finally:
         for note in notes:
             print(f"gradsync: resume: {note}", file=sys.stderr, flush=True)
@@ -287,6 +290,7 @@ def main() -> None:
             f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
     sys.argv[1:] = replace_mappings(sys.argv[1:])
     try:
+        refuse_renamed_overrides(sys.argv[1:])  # an old option's name: one line naming the new
         hydra_main()
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)

@@ -25,9 +25,10 @@ from gradsync.components import (
     require,
     require_fits,
 )
-from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import RunConfig
 from gradsync.config.validate import DATA_SIZES, RUNTIME, check_shape, first_line, validate
 from gradsync.data.contract import build_data, check_bundle
+from gradsync.engines import able, capabilities
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
@@ -52,7 +53,8 @@ def preflight(plain: dict[str, Any], placement: Placement | None = None) -> RunC
     cfg = validate(plain, placement.world_size, placement.device_type)
     model, policy = check_components(plain, cfg, placement.world_size)
     check_engine(cfg, placement.world_size, model, policy)
-    noise_scale.check(cfg, placement.world_size, policy)
+    noise_scale.check(cfg, placement.world_size, policy,
+                      capabilities(cfg.engine.name).gradient_probe)
     return cfg
 
 
@@ -69,7 +71,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
 
     data_node, model_node = plain["data"], plain["model"]
     ctx = CheckContext("", world, cfg.precision.name, provided={
-        "allreduce": cfg.trainer.allreduce,
+        "allreduce": cfg.engine.allreduce,
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
     builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"))
     data = check_bundle(built("data", cfg.data.target,
@@ -133,12 +135,11 @@ def check_policy(cfg: RunConfig, world: int) -> Any:
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
     policy = as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
-    if decides_per_bucket(policy) and cfg.trainer.engine != "gradsync":
+    if decides_per_bucket(policy) and not capabilities(cfg.engine.name).per_bucket:
         raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
-                          f"(sync_bucket), which trainer.engine={cfg.trainer.engine} cannot "
-                          "carry out: set trainer.engine=gradsync")
+                          f"(sync_bucket), which engine={cfg.engine.name} cannot "
+                          f"carry out: set engine={' or '.join(able('per_bucket'))}")
     return policy
-
 
 
 def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolicy) -> None:
@@ -148,19 +149,23 @@ def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolic
     built them (the model on the meta device, else on the CPU)."""
     from gradsync.engines.fsdp import check_config
 
-    tr = cfg.trainer  # sync_batchnorm on CPU ranks: refused by TrainerConfig.check
-    if tr.engine in SHARDED_ENGINES:
-        for key in ("trace_sync", "sync_batchnorm"):
-            require(not getattr(tr, key), f"trainer.{key}",
-                    f"false with trainer.engine={tr.engine} (the DDP engines only: torch_ddp, "
-                    "gradsync)", getattr(tr, key))
+    eng = cfg.engine  # sync_batchnorm on CPU ranks: refused by EngineConfig.check
+    can = capabilities(eng.name)
+    for key in ("trace_sync", "sync_batchnorm"):
+        require(not getattr(eng, key) or getattr(can, key), f"engine.{key}",
+                f"false with engine={eng.name} (the DDP engines only: "
+                f"{', '.join(able(key))})", getattr(eng, key))
+    if cfg.compile.enabled and eng.bucket_cap_mb < can.compile_min_bucket_mb:
+        raise ConfigError(f"engine.bucket_cap_mb={eng.bucket_cap_mb} with compile.enabled=true: "
+                          f"torch's DDPOptimizer needs buckets of at least "
+                          f"{can.compile_min_bucket_mb:g} MB (its first bucket's size)")
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    if tr.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
-        raise ConfigError(f"trainer.sync_batchnorm=true: the model ({cfg.model.target}) has no "
+    if eng.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
+        raise ConfigError(f"engine.sync_batchnorm=true: the model ({cfg.model.target}) has no "
                           "BatchNorm layer to synchronise")
-    check_config(cfg.trainer.engine, cfg.trainer, cfg.sync.args, cfg.precision.name, world,
-                 policy=lambda: policy, model=lambda: model)
+    check_config(eng, can, cfg.trainer.check_replicas, cfg.sync.node, cfg.precision.name,
+                 world, policy=lambda: policy, model=lambda: model)
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:

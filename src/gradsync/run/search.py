@@ -43,12 +43,12 @@ ALWAYS = ("eval_loss", "final_train_loss", "allreduce_bytes", "allreduce_calls",
           "sync_backwards", "samples_per_s", "train_s", "wall_s", "peak_rss_mb")
 # Produced only by some runs: the objective, what produces it, whether the sweep's config does.
 ONLY_WHEN = {
-    "noise_scale": ("trainer.noise_scale=true",
-                    lambda cfg: bool(cfg.trainer.noise_scale)),
-    "reduce_scatter_bytes": ("a sharded engine (trainer.engine=fsdp or hsdp)",
-                             lambda cfg: cfg.trainer.engine in ("fsdp", "hsdp")),
-    "all_gather_bytes": ("a sharded engine (trainer.engine=fsdp or hsdp)",
-                         lambda cfg: cfg.trainer.engine in ("fsdp", "hsdp")),
+    "noise_scale": ("noise_scale.enabled=true",
+                    lambda cfg: bool(cfg.noise_scale.enabled)),
+    "reduce_scatter_bytes": ("a sharded engine (engine=fsdp or hsdp)",
+                             lambda cfg: _sharded(cfg.engine.name)),
+    "all_gather_bytes": ("a sharded engine (engine=fsdp or hsdp)",
+                         lambda cfg: _sharded(cfg.engine.name)),
     "max_replica_drift": ("sync=local_sgd or sync=diloco",
                           lambda cfg: str(cfg.sync.get("_target_", "")).endswith(
                               (".LocalSGD", ".DiLoCo"))),
@@ -58,6 +58,12 @@ ONLY_WHEN = {
 PER_RUN = ("eval_accuracy", "eval_perplexity", "comm_bytes_per_step", "grad_held_bytes",
            "peak_mem_mb")
 DIRECTIONS = ("minimize", "maximize")
+
+
+def _sharded(engine: str) -> bool:
+    from gradsync.engines import ENGINES  # torch: only when the objective asks
+
+    return engine in ENGINES and bool(ENGINES[engine].engine.capabilities.sharded)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -38,7 +38,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     rank; the largest worker's peak RSS."""
     c = p.counts
     o = p.policy.overflow
-    trace = getattr(p.engine, "trace", None)  # trainer.trace_sync
+    trace = getattr(p.engine, "trace", None)  # engine.trace_sync
     a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
     mine: dict[str, Any] = {
             "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
@@ -65,7 +65,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "samples_seen": state.samples_seen,
         "final_train_loss": state.last_loss,
         "eval": state.last_eval,
-        # trainer.compile: the seconds dynamo spent compiling left out (summary's "compile")
+        # compile.enabled: the seconds dynamo spent compiling left out (summary's "compile")
         "samples_per_s": samples_per_s(state, mine["compile"]),
         "train_s": state.train_s,
         "sync_backwards": per_rank("sync_backwards"),
@@ -100,7 +100,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
 
 
 def compile_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """trainer.compile: how (rank 0's settings), each rank's graphs and compile seconds."""
+    """compile.enabled: how (rank 0's settings), each rank's graphs and compile seconds."""
     if per_rank[0] is None:
         return {}
     ranks = [r for r in per_rank if r is not None]
@@ -110,7 +110,7 @@ def compile_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
 
 
 def trace_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """trainer.trace_sync: each rank's mean wait for all-reduces per step (ms) and the fraction
+    """engine.trace_sync: each rank's mean wait for all-reduces per step (ms) and the fraction
     of its all-reduce time that overlapped the backward (engines/trace.py)."""
     if per_rank[0] is None:
         return {}

@@ -8,7 +8,7 @@ writes the summary of an interrupted sweep by hand. When its jobs hold different
 memory (engines, sharding: docs/sharded.md), memory.png puts each job's memory against the
 bytes it moved per optimizer step.
 
-Where the jobs measured the gradient noise scale (trainer.noise_scale), noise_scale.png shows
+Where the jobs measured the gradient noise scale (noise_scale.enabled), noise_scale.png shows
 B_simple and the window size over training, and the table its final value.
 
 A sweep owns its sweep dir: it holds a lock there from before its first job until its summary is
@@ -357,7 +357,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "peak_mem_mb": ("peak MB", lambda v: f"{v:.0f}"),
     "wall_s": ("wall s", lambda v: f"{v:.1f}"),
     "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
-    "noise_scale": ("final B_simple", lambda v: f"{v:,.0f}"),  # trainer.noise_scale
+    "noise_scale": ("final B_simple", lambda v: f"{v:,.0f}"),  # noise_scale.enabled
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
     "bytes_to_target": ("all-reduce MB to target", lambda v: f"{v / 1e6:.2f}"),
     "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.components import build
-from gradsync.config.schema import SHARDED_ENGINES, RunConfig
+from gradsync.config.schema import RunConfig
 from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import seed_everything, seed_rank
@@ -89,19 +89,20 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                              "world_size": world_size, "counts": counts}),
                        cfg.sync.target)
     unit = resolve(cfg.loss.normalize, data.unit)  # the loss's unit: samples or tokens
-    meter = (noise.NoiseScale(world_size, device, unit, tr.noise_scale_decay,
+    meter = (noise.NoiseScale(world_size, device, unit, cfg.noise_scale.decay,
                               model.parameters()) if noise.measures(cfg) else None)
     probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
-    engine = build_engine(tr.engine, model=model, policy=policy, device=device,
-                          world_size=world_size, counts=counts, bucket_cap_mb=tr.bucket_cap_mb,
-                          gradient_as_bucket_view=tr.gradient_as_bucket_view,
-                          allreduce=tr.allreduce, memory=memory, precision=cfg.precision.name,
-                          fsdp_units=tr.fsdp_units, replicas=tr.replicas,
-                          find_unused_parameters=tr.find_unused_parameters,
-                          sync_batchnorm=tr.sync_batchnorm,
-                          compile=Compile(tr.compile_backend, tr.compile_mode,
-                                          tr.compile_dynamic) if tr.compile else None,
-                          trace=SyncTrace(rank) if tr.trace_sync else None, **probe)
+    eng = cfg.engine
+    engine = build_engine(eng.name, model=model, policy=policy, device=device,
+                          world_size=world_size, counts=counts, bucket_cap_mb=eng.bucket_cap_mb,
+                          gradient_as_bucket_view=eng.gradient_as_bucket_view,
+                          allreduce=eng.allreduce, memory=memory, precision=cfg.precision.name,
+                          fsdp_units=eng.fsdp_units, replicas=eng.replicas,
+                          find_unused_parameters=eng.find_unused_parameters,
+                          sync_batchnorm=eng.sync_batchnorm,
+                          compile=Compile(cfg.compile.backend, cfg.compile.mode,
+                                          cfg.compile.dynamic) if cfg.compile.enabled else None,
+                          trace=SyncTrace(rank) if eng.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, micro,
                               data.tokens_per_sample if unit == "tokens" else 1.0)
@@ -156,7 +157,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
                if world_size > 1 else None)
     ckpt_dir = run_dir / checkpoint.CKPT_DIR
 
-    sharded = tr.engine in SHARDED_ENGINES  # checkpoints through torch.distributed.checkpoint
+    # checkpoints through torch.distributed.checkpoint
+    sharded = p.engine.capabilities.sharded
 
     def save(p: Parts, state: Progress) -> None:  # p passed in: no Parts <-> closure cycle
         if sharded:
@@ -186,7 +188,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
             state = train(p, state, run_log)
             summary = run_summary.summarize(p, state, cfg.seed)
             if p.engine.compiled and not any(summary["compile"]["graphs"]) and is_rank0():
-                log.warning("trainer.compile=true compiled no graph of this model: it ran eager "
+                log.warning("compile.enabled=true compiled no graph of this model: it ran eager "
                             "(docs/components.md \"Compile\": an nn.Sequential under torch's "
                             "DDP is one)")
             newest = checkpoint.complete(ckpt_dir) if ckpt_dir.is_dir() else []

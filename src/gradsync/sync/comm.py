@@ -171,7 +171,7 @@ class Probe(Protocol):
 class CountingState:
     counts: CommCounts
     inner: InnerHook
-    # trainer.trace_sync: records each bucket's all-reduce (engines/trace.py SyncTrace)
+    # engine.trace_sync: records each bucket's all-reduce (engines/trace.py SyncTrace)
     trace: Any = None
     previous: Any = None  # the last bucket's future in this backward (inner.sequential)
     probe: Probe | None = None  # the noise scale's measurement (None: not measured)

@@ -9,7 +9,7 @@ name: <label>}``:
   the run ends. Optimizer state stays per rank (checkpoints keep each rank's, train/state.py).
 
 - ``reduce_scatter: boundary|every`` and ``replica_all_reduce: boundary|every``: on a sharded
-  engine (trainer.engine=fsdp or hsdp), how the group's units accumulate between synchronising
+  engine (engine=fsdp or hsdp), how the group's units accumulate between synchronising
   micro-batches (sync/comm.py ``ShardedSync``; default: the policy's); docs/sharded.md.
 
 Parameters no rule matches (the group ``rest``) follow the policy. Inside one DDP bucket the
@@ -185,8 +185,8 @@ def check_groups(a: dict[str, Any], ctx: CheckContext, base: str) -> None:
     wires = {wire_of(r, DTYPES[base]) for r in taken.values() if r is None or r.every is None}
     if len(wires) > 1 and ctx.provided.get("allreduce") == "shared_memory":
         raise ConfigError("sync.groups put gradients of different wire dtypes in one backward; "
-                          "trainer.allreduce=shared_memory all-reduces whole buckets in one "
-                          "dtype: use trainer.allreduce=auto or process_group")
+                          "engine.allreduce=shared_memory all-reduces whole buckets in one "
+                          "dtype: use engine.allreduce=auto or process_group")
 
 
 def wire_of(rule: Rule | None, base: torch.dtype | None) -> torch.dtype | None:

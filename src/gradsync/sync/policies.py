@@ -125,7 +125,7 @@ def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
             "an integer >= 2 (torch's PowerSGD with error feedback)", a["powersgd_start_step"])
     if a["compression"] == "powersgd" and ctx.provided.get("allreduce") == "shared_memory":
         raise ConfigError("sync.compression=powersgd all-reduces through the process group: "
-                          "use trainer.allreduce=auto or process_group")
+                          "use engine.allreduce=auto or process_group")
 
 
 AS_REDUCE_SCATTER = "same"  # sync.replica_all_reduce's default: the flavour of reduce_scatter

@@ -85,7 +85,7 @@ class SyncPolicy:
         return allreduce_in(None)
 
     def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
-        """For a sharded engine (trainer.engine=fsdp or hsdp), instead of comm_hook: how each
+        """For a sharded engine (engine=fsdp or hsdp), instead of comm_hook: how each
         named parameter's gradients are reduced. By default in the dtype of comm_hook()'s
         all-reduce, reduce-scattered (and all-reduced across HSDP replicas) on the synchronising
         micro-batches only. ConfigError if comm_hook() is an all-reduce of the policy's own,
@@ -94,7 +94,7 @@ class SyncPolicy:
         if inner.hook is not allreduce_in(None).hook and inner.hook not in COMPRESS_HOOKS.values():
             raise ConfigError(f"sync policy {self.name!r} all-reduces through a comm hook of its "
                               "own, which sharded engines (fsdp, hsdp) cannot run: use "
-                              "trainer.engine=torch_ddp")
+                              "engine=torch_ddp")
         return {n: ShardedSync(wire=inner.wire_dtype) for n in names}
 
     def use_shared_memory(self, slots: SharedSlots) -> None:
@@ -103,7 +103,7 @@ class SyncPolicy:
 
     # --- inside a window ---------------------------------------------------------------------
     def sync_bucket(self, params: list[str]) -> bool:
-        """trainer.engine=gradsync only: asked once per gradient bucket in each synchronising
+        """engine=gradsync only: asked once per gradient bucket in each synchronising
         backward (params: the names of the parameters the bucket holds). False keeps that
         bucket's gradients local: they accumulate into the next synchronising backward, as
         no_sync() keeps a whole backward's. Must answer alike on every rank. A bucket kept
@@ -150,7 +150,7 @@ class SyncPolicy:
 
 
 def decides_per_bucket(policy: SyncPolicy) -> bool:
-    """The policy answers sync_bucket itself: only trainer.engine=gradsync can carry that out."""
+    """The policy answers sync_bucket itself: only engine=gradsync can carry that out."""
     return type(policy).sync_bucket is not SyncPolicy.sync_bucket
 
 

@@ -154,7 +154,7 @@ def over_shared_memory(inner: InnerHook, params: list[torch.Tensor], mode: str) 
     shared_memory (an error otherwise). Collective over the default group."""
     if inner.sent is not None:  # not a plain all-reduce of the bucket (PowerSGD, sync.groups
         if mode == "shared_memory":  # of several wire dtypes)
-            raise RuntimeError("trainer.allreduce=shared_memory all-reduces whole buckets in one "
+            raise RuntimeError("engine.allreduce=shared_memory all-reduces whole buckets in one "
                                "dtype; this policy's all-reduce needs process_group or auto")
         return inner
     grads = sum(p.numel() * p.element_size() for p in params)
@@ -162,7 +162,7 @@ def over_shared_memory(inner: InnerHook, params: list[torch.Tensor], mode: str) 
     slots = map_slots(capacity)
     if slots is None:
         if mode == "shared_memory":
-            raise RuntimeError("trainer.allreduce=shared_memory needs every rank on one host, "
+            raise RuntimeError("engine.allreduce=shared_memory needs every rank on one host, "
                                "able to map rank 0's shared memory (memfd_create, "
                                "/proc/<pid>/fd; auto falls back to gloo)")
         return inner

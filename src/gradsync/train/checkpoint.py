@@ -6,7 +6,7 @@ after it and holds its size, sha256, step and config. A checkpoint is complete w
 and intact when the digest matches: torch.load notices a truncated file but not flipped bytes
 inside a tensor. ``last.pt`` is a hard link to the newest checkpoint of the run.
 
-A sharded engine's checkpoint (trainer.engine=fsdp|hsdp; train/sharded_checkpoint.py) is a
+A sharded engine's checkpoint (engine=fsdp|hsdp; train/sharded_checkpoint.py) is a
 directory ``step_<step>.dcp`` that every rank writes its part of; its sidecar lists every file
 with its size and sha256, and the run's ``last.pt`` is a consolidated file of its own.
 """
@@ -22,7 +22,6 @@ from typing import IO, Any, cast
 
 import torch
 
-from gradsync.config.schema import SHARDED_ENGINES
 from gradsync.train import dcp_safe
 from gradsync.train.files import replacing
 from gradsync.train.metrics import write_json_atomic
@@ -232,8 +231,10 @@ def newest_intact(ckpt_dir: Path, notes: list[str]) -> tuple[Path, dict[str, Any
 
 
 def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: int,
-                   notes: list[str]) -> Path | None:
-    """Where a run starts from: None (fresh) or an intact, compatible checkpoint.
+                   notes: list[str], *, sharded: bool) -> Path | None:
+    """Where a run starts from: None (fresh) or an intact, compatible checkpoint. sharded:
+    whether the run's engine shards the model (its capabilities), so resumes from a sharded
+    checkpoint.
 
     resume: `none` (refused if the run dir already holds checkpoints: nothing is overwritten),
     `auto` (the newest intact checkpoint in the run dir, falling back past corrupt ones; fresh
@@ -258,7 +259,7 @@ def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: 
     else:
         path = Path(resume)
         meta = verify(path)
-    refuse_incompatible(path, meta, cfg, world_size)
+    refuse_incompatible(path, meta, cfg, world_size, sharded=sharded)
     return path.resolve()
 
 
@@ -312,17 +313,19 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
 
 
 # Whatever a checkpoint's state depends on: only trainer.* (more steps or epochs, cadences,
-# threads...) may change, and the world size may not (each rank's data share and RNG stream).
-MAY_CHANGE = ("trainer.", "resume")
+# threads...), engine.* (the engine, within its kind: refuse_incompatible), compile.* and
+# noise_scale.* (once all trainer.*) may change, and the world size may not (each rank's data
+# share and RNG stream).
+MAY_CHANGE = ("trainer.", "engine.", "compile.", "noise_scale.", "resume")
 
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
-                        world_size: int) -> None:
-    engine = cfg["trainer"]["engine"]
-    if is_sharded(path) != (engine in SHARDED_ENGINES):
+                        world_size: int, *, sharded: bool) -> None:
+    engine = cfg["engine"]["name"]
+    if is_sharded(path) != sharded:
         kind = "a sharded checkpoint (fsdp, hsdp)" if is_sharded(path) else \
             "a replicated model's checkpoint"
-        raise ResumeError(f"{path} is {kind}; this run has trainer.engine={engine}")
+        raise ResumeError(f"{path} is {kind}; this run has engine={engine}")
     if meta["world_size"] != world_size:
         if not is_sharded(path):
             raise ResumeError(f"{path} was written by {meta['world_size']} "

@@ -264,7 +264,7 @@ class StepLog:
             if noise is not None:
                 row |= noise.take(row["window"])
         self._max_drift_over_ranks()
-        for row in self.rows:  # rank 0's, every step (trainer.trace_sync; None on CUDA: n/a)
+        for row in self.rows:  # rank 0's, every step (engine.trace_sync; None on CUDA: n/a)
             traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
                       if row.get(k) is not None}
             if traced:

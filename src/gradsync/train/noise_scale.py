@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from gradsync.train.precision import Precision
     from gradsync.train.schedules import Window
 
-# the engines whose all-reduce runs through the counting hook (sync/comm.py), where it is taken
-PROBED_ENGINES = ("torch_ddp", "gradsync")
 ROW = 4  # per window and rank: |g_r|^2, 1/b_r, the big batch's units on this rank, measured
 
 
@@ -75,26 +73,27 @@ class Divides(Protocol):
 
 def measures(cfg: RunConfig) -> bool:
     """Whether a run measures the noise scale: asked for, or needed by the schedule or the LR."""
-    return (cfg.trainer.noise_scale or cfg.schedule.name == "adaptive"
+    return (cfg.noise_scale.enabled or cfg.schedule.name == "adaptive"
             or cfg.lr_scaling.name == "adascale")
 
 
-def check(cfg: RunConfig, world_size: int, policy: SyncPolicy) -> None:
+def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> None:
     """What the measurement needs from the rest of the config (before any worker starts).
     policy: the run's sync policy, as the config check built it (run/preflight.py
-    check_policy)."""
+    check_policy); probed: whether the engine all-reduces through the counting hook (sync/comm.py),
+    where the measurement is taken (its capabilities' gradient_probe)."""
     if not measures(cfg):
         return
-    why = ("trainer.noise_scale=true" if cfg.trainer.noise_scale else
+    why = ("noise_scale.enabled=true" if cfg.noise_scale.enabled else
            "schedule=adaptive" if cfg.schedule.name == "adaptive" else "lr_scaling=adascale")
     if cfg.loss.normalize == "micro_batch_mean":
         raise ConfigError(f"{why} measures the gradient of the mean loss over a window's "
                           "samples; loss.normalize=micro_batch_mean weighs them unequally: use "
                           "auto, samples or tokens")
-    if cfg.trainer.engine not in PROBED_ENGINES:
-        raise ConfigError(f"{why} is measured inside the all-reduce of the "
-                          f"{' or '.join(PROBED_ENGINES)} engine, not trainer.engine="
-                          f"{cfg.trainer.engine}")
+    if not probed:
+        raise ConfigError(f"{why} is measured inside the all-reduce of an engine with a "
+                          "gradient probe (torch_ddp, gradsync), not engine="
+                          f"{cfg.engine.name}")
     if policy.syncs_parameters:
         raise ConfigError(f"{why} is measured around the all-reduce of the gradients; "
                           f"sync ({cfg.sync.target}) averages parameters instead: use a policy "

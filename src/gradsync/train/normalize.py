@@ -41,8 +41,6 @@ import torch.distributed as dist
 
 from gradsync.train.schedules import Window
 
-CHOICES = ("auto", "tokens", "samples", "micro_batch_mean")
-
 
 class Normalizer(Protocol):
     name: str

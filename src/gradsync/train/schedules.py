@@ -138,7 +138,7 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int,
         return EpochwiseSchedule(cfg.accum_steps_by_epoch)
     if isinstance(cfg, AdaptiveScheduleConfig):
         return AdaptiveSchedule(cfg.scale, cfg.initial_accum_steps, cfg.min_accum_steps,
-                                cfg.max_accum_steps, cfg.every,
+                                cfg.max_accum_steps, cfg.every_steps,
                                 world_size * micro_batch_size * units_per_sample)
     # divides exactly, at least once (GlobalBatchScheduleConfig.check)
     return ConstantSchedule(cfg.global_batch_size // (world_size * micro_batch_size))

@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded engine (trainer.engine=fsdp|hsdp): torch.distributed.checkpoint.
+"""Checkpoints of a sharded engine (engine=fsdp|hsdp): torch.distributed.checkpoint.
 
 ``checkpoints/step_<step>.dcp/`` is a directory every rank writes its own shards into (DCP's
 ``__<rank>_0.distcp`` files and its ``.metadata``: the model's and the optimizer's sharded state,

@@ -1,0 +1,62 @@
+"""Renamed options: an old name answers with one line naming the new one (exit 2), whether it
+comes as a command-line override (``schedule.every=8``) or from a YAML file of one's own (an
+experiment preset, a ``--config-dir``). One line per rename in ``RENAMED``; the glossary of the
+words the new names use is in docs/architecture.md ("Glossary")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from gradsync.components import ConfigError
+
+# old dotted key -> the new one (and, after a space, what it counts or where it went)
+RENAMED: dict[str, str] = {
+    # the window is micro-batches of micro_batch_size samples: the schedule's, not the data's
+    "data.micro_batch_size": "schedule.micro_batch_size",
+    "schedule.every": "schedule.every_steps (optimizer steps between the adaptive schedule's "
+                      "decisions)",
+    # the engine's settings: a group of their own (conf/engine/<name>.yaml, EngineConfig)
+    "trainer.engine": "engine=<name> (a config group: conf/engine/; engine.name in a YAML file)",
+    "trainer.fsdp_units": "engine.fsdp_units",
+    "trainer.replicas": "engine.replicas",
+    "trainer.bucket_cap_mb": "engine.bucket_cap_mb",
+    "trainer.gradient_as_bucket_view": "engine.gradient_as_bucket_view",
+    "trainer.allreduce": "engine.allreduce",
+    "trainer.find_unused_parameters": "engine.find_unused_parameters",
+    "trainer.sync_batchnorm": "engine.sync_batchnorm",
+    "trainer.trace_sync": "engine.trace_sync",
+    # torch.compile and the noise scale: their own groups (CompileConfig, NoiseScaleConfig)
+    "trainer.compile": "compile.enabled",
+    "trainer.compile_backend": "compile.backend",
+    "trainer.compile_mode": "compile.mode",
+    "trainer.compile_dynamic": "compile.dynamic",
+    "trainer.noise_scale": "noise_scale.enabled",
+    "trainer.noise_scale_decay": "noise_scale.decay",
+}
+
+
+def renamed(key: str) -> str | None:
+    """The message for an old key (``+``/``++``/``~`` prefixes ignored), or None."""
+    key = key.lstrip("+~")
+    new = RENAMED.get(key)
+    return None if new is None else f"{key} was renamed: use {new}"
+
+
+def refuse_renamed_overrides(overrides: Iterable[str]) -> None:
+    """ConfigError for the first command-line override that sets an old name."""
+    for arg in overrides:
+        message = renamed(arg.partition("=")[0])
+        if message:
+            raise ConfigError(message)
+
+
+def refuse_renamed_keys(plain: dict[str, Any]) -> None:
+    """ConfigError for the first old name in a composed config (plain data)."""
+    for old in RENAMED:
+        *parents, last = old.split(".")
+        node: Any = plain
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            raise ConfigError(f"{old} was renamed: use {RENAMED[old]}")
