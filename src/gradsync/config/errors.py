@@ -28,12 +28,12 @@ def first_line(text: str) -> str:
 
 def in_chain(exc: BaseException, kind: type[E]) -> E | None:
     """exc or the first exception of its chain of causes that is a kind (Hydra raises its own,
-    from OmegaConf's)."""
+    from OmegaConf's: as the cause, or, composing an experiment preset, as the context)."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, kind):
             return seen
-        seen = seen.__cause__
+        seen = seen.__cause__ or seen.__context__
     return None
 
 
