@@ -25,7 +25,7 @@ import torch
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.sync.averaging import Anchor, plain_average
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.policy import SyncPolicy, last_micro_batch
 from gradsync.sync.shm_allreduce import SharedSlots
 from gradsync.train.precision import DTYPES
 
@@ -139,7 +139,7 @@ class ModelAveraging(SyncPolicy):
     # overflow consensus: each rank's GradScaler skips its own overflowing steps, as after
     # warm-up no all-reduce makes the gradients, hence the flags, agree) ------------------------
     def should_sync(self, micro_index: int, window_size: int) -> bool:
-        return self.windows < self.warmup and micro_index == window_size - 1
+        return self.windows < self.warmup and last_micro_batch(micro_index, window_size)
 
     def after_step(self, stepped: bool) -> None:
         self.averaging.local_skipped_steps += not stepped

@@ -17,15 +17,9 @@ from torch.nn.utils import get_total_norm
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.sync.comm import FLAVOURS, CommCounts, InnerHook, ShardedSync, allreduce_in
 from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
-from gradsync.sync.policy import OverflowCounts, SyncPolicy
+from gradsync.sync.policy import OverflowCounts, SyncPolicy, last_micro_batch
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 from gradsync.train.precision import DTYPES
-
-
-def last_micro_batch(micro_index: int, window_size: int) -> bool:
-    """The boundary of accumulation: only a window's last micro-batch (a short last window
-    included) synchronises."""
-    return micro_index == window_size - 1
 
 
 class Compression:

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
     from gradsync.sync.shm_allreduce import SharedSlots
 
 
+def last_micro_batch(micro_index: int, window_size: int) -> bool:
+    """The boundary of accumulation: a window's last micro-batch (a short last window
+    included), the one that synchronises. The one place this rule is written (the policies,
+    the loop's check, the token count)."""
+    return micro_index == window_size - 1
+
+
 @dataclass
 class OverflowCounts:
     aborted_windows: int = 0  # windows whose remaining compute was skipped: doomed by an overflow

@@ -57,7 +57,7 @@ from gradsync.config.schema import TrainerConfig
 from gradsync.data.bundle import epoch_batches
 from gradsync.engines.base import Engine
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.policy import SyncPolicy, last_micro_batch
 from gradsync.train.callbacks import Done, callbacks
 from gradsync.train.lr_scaling import ScaledLR
 from gradsync.train.metrics import RunLog
@@ -190,20 +190,21 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
     total = torch.zeros((), device=device)
     if meter is not None:
         meter.start_window()
+    size, real_left = window.size, window.real
+    should_sync, doomed_after = policy.should_sync, policy.window_doomed
     doomed = False
-    real_left = window.real
     last_synced = -1  # the window's last micro-batch so far that synchronised
-    for i in range(window.size):
+    for i in range(size):
         x, y = next(batches)
         keep = min(real_left, len(y))
         real_left -= keep
         if doomed:
             continue
         x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
-        sync = policy.should_sync(i, window.size)
+        sync = should_sync(i, size)
         if sync:
             last_synced = i
-        elif i == window.size - 1 and not policy.syncs_parameters:
+        elif last_micro_batch(i, size) and not policy.syncs_parameters:
             raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
         with engine.micro_batch(sync):
             with precision.autocast():
@@ -214,7 +215,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
                 meter.before_backward(i, keep, counts, engine.parameters())
             precision.backward(micro)
         total += micro.detach()
-        doomed = policy.window_doomed(engine.module, i, window.size)
+        doomed = doomed_after(engine.module, i, size)
     if doomed:
         return torch.full((), float("nan"), device=device)
     return norm.window_loss(total)
