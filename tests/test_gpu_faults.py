@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from gradsync.run.devices import WrongDevice, on_device
 from gradsync.sync import layer_sync
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.local_sgd import DiLoCo, LocalSGD
+from gradsync.sync.local_sgd import diloco, local_sgd
 from gradsync.train import callbacks
 from gradsync.train.state import to_cpu
 
@@ -87,10 +87,10 @@ def test_a_resumed_anchor_lives_on_the_models_device():
     model here is on the meta device (no data: any device other than the checkpoint's CPU
     shows where the anchor goes; DiLoCo's outer optimizer is built on the anchor the same
     way, in the same ModelAveraging.start, and is checked on a GPU by tests/test_gpu.py)."""
-    saved = LocalSGD(every=2)
+    saved = local_sgd(every=2)
     saved.start(torch.nn.Linear(3, 2), 0)
     state = to_cpu(saved.state_dict())  # as checkpoint.load(map_location="cpu") gives it
-    policy = LocalSGD(every=2)
+    policy = local_sgd(every=2)
     policy.load_state_dict(state)
     assert policy.state_dict()["anchor"] is state["anchor"]  # not started: as it was loaded
     policy.start(torch.nn.Linear(3, 2, device="meta"), 3)
@@ -99,11 +99,11 @@ def test_a_resumed_anchor_lives_on_the_models_device():
 
 
 def test_a_diloco_resume_restores_the_outer_momentum_onto_the_anchor():
-    saved = DiLoCo(every=2)
+    saved = diloco(every=2)
     saved.start(torch.nn.Linear(3, 2), 0)
     saved.outer.step(saved.anchor.params, [torch.ones_like(t) for t in saved.anchor.params])
     state = to_cpu(saved.state_dict())
-    policy = DiLoCo(every=2)
+    policy = diloco(every=2)
     policy.load_state_dict(state)
     policy.start(torch.nn.Linear(3, 2), 3)
     opt = policy.outer.opt

@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from gradsync.sync.shm_allreduce import SharedSlots
 
 
+# Options of sync.* renamed to say their unit (issue 29): the old name answers with a one-line
+# error naming the new one. Read by the config checks through each target's `renamed`
+# (components.check, config/errors.py): {old: new}, as sync.<key>.
+RENAMED = {
+    "sync.warmup_steps": "sync.warmup_windows",  # local SGD / DiLoCo: counts windows
+    "sync.powersgd_start_step": "sync.powersgd_start_backwards",  # counts syncing backwards
+}
+
+
+def renamed_keys(*old: str) -> dict[str, str]:
+    """A target's `renamed`: its keys' old bare names to their new ones."""
+    return {o.split(".", 1)[1]: RENAMED[o].split(".", 1)[1] for o in old}
+
+
 def last_micro_batch(micro_index: int, window_size: int) -> bool:
     """The boundary of accumulation: a window's last micro-batch (a short last window
     included), the one that synchronises. The one place this rule is written (the policies,
