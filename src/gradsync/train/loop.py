@@ -38,7 +38,7 @@ collectives in the same order; those of one step, in order (tests/test_loop.py h
 8. ``replica_check``: trainer.check_replicas, every K steps
 9. ``evaluation``: trainer.eval_every, every K steps
 10. ``stop``: the stop agreement (async, on the control group)
-11. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (``loss``), the finite
+11. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (the loss), the finite
     check (fp32), the buffers aligned, the checkpoint's gather
 """
 
