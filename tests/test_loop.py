@@ -148,3 +148,23 @@ def test_a_renamed_option_on_the_command_line_names_the_new_one(tmp_path, monkey
         line = entry_point_error([sync, f"{old}=2"], TESTS, tmp_path / old, monkeypatch, capsys)
         assert line == f"{old} was renamed {new}: set {new}"
     assert Path(TESTS).is_dir()
+
+
+# --- the contract page lists exactly what the code calls -------------------------------------
+def test_the_contract_page_lists_exactly_the_members_gradsync_calls():
+    import re
+
+    from gradsync.sync.policy import OPTIONAL, Adopted, SyncPolicy
+
+    page = (Path(__file__).parents[1] / "docs" / "components.md").read_text()
+    table = page.split("| member | default | what for |")[1].split("\n\n")[0]
+    listed = {name for row in table.splitlines()[2:]
+              for name in re.findall(r"`(\w+)(?:\([^`]*\))?`", row.split(" | ")[0])}
+    attributes = {"name", "syncs_parameters", "own_replicas", "replica_drift", "averaging"}
+    assert listed == {"should_sync", *OPTIONAL, *attributes}
+    # the base class's members are those (its own counters aside), and an Adopted reads the
+    # attributes from the object it holds
+    base = {n for n in vars(SyncPolicy) if not n.startswith("_")} - {"overflow"}
+    assert base == {"should_sync", *OPTIONAL, *attributes} - {"state_dict", "load_state_dict"}
+    held = {n for n in vars(Adopted) if not n.startswith("_")}
+    assert held - {"name"} == attributes - {"name"}  # its name: the held class's

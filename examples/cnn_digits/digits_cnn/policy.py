@@ -1,7 +1,7 @@
 """A sync policy of one's own: synchronise every micro-batch for the first windows (a warm-up
 whose every intermediate gradient is global), then only the last micro-batch of each window.
 
-A policy needs only should_sync; every other hook of gradsync.policies.SyncPolicy is optional.
+A policy needs only should_sync; every other hook of gradsync.sync.policy.SyncPolicy is optional.
 This one also counts windows through after_window, and keeps that count in checkpoints through
 state_dict / load_state_dict, so a resumed run continues exactly."""
 
