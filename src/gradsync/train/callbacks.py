@@ -354,8 +354,8 @@ def callbacks(p: Parts, log: RunLog, state: Progress) -> Callbacks:
     after: list[Any] = [AdaptiveSchedule(), Averaging(), logging]
     if p.after_window:
         after.append(Hooks(p.after_window))
-    if p.check_replicas:
-        after.append(ReplicaCheck(p.check_replicas))
+    if p.replica_check_every:
+        after.append(ReplicaCheck(p.replica_check_every))
     evaluation = Evaluation(log)
     after.append(evaluation)
     end: list[Any] = [logging]

@@ -115,7 +115,8 @@ class Parts:
         return self.precision.name == "fp32"
 
     @property
-    def check_replicas(self) -> int:
+    def replica_check_every(self) -> int:
+        """Optimizer steps between replica checks (trainer.check_replicas), 0: none (one rank)."""
         return self.trainer.check_replicas if self.world_size > 1 else 0
 
 
