@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +47,12 @@ class Done:
     norm: torch.Tensor | None = None  # the gradient norm, when clipped or logged
     finished: bool = False  # the run is done after this window (max_steps, max_epochs)
     stop: int = 0  # the signal the ranks agreed to stop on, 0: none
-    row: dict[str, Any] = field(default_factory=dict)  # what the callbacks add to its row
+    row: dict[str, Any] | None = None  # what the callbacks add to its row (lr_factor, drift)
+
+    def add(self, key: str, value: Any) -> None:
+        if self.row is None:
+            self.row = {}
+        self.row[key] = value
 
 
 # the noise scale's fields of a metrics row that TensorBoard gets (of the log point's window)
@@ -82,7 +87,8 @@ class StepLog:
 
     def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
         # where the run stands on the sweep summary's other axes (rank 0's bytes, loop time)
-        row |= _spent(self.p, self.state)
+        row["allreduce_bytes"] = self.p.engine.counts.allreduce_bytes
+        row["train_s"] = self.state.train_s
         self.rows.append(row)
         self.losses.append(local_loss)
 
@@ -213,8 +219,8 @@ class LRScaling:
     """lr_scaling: the LR of this window's step, from its size (train/lr_scaling.py)."""
 
     def before_step(self, p: Parts, state: Progress, done: Done) -> None:
-        done.row["lr_factor"] = p.lr_scheduler.before_step(  # type: ignore[union-attr]
-            done.window, p.noise)
+        done.add("lr_factor", p.lr_scheduler.before_step(  # type: ignore[union-attr]
+            done.window, p.noise))
 
 
 class AdaptiveSchedule:
@@ -236,7 +242,7 @@ class Averaging:
             policy.finish(p.engine.module)  # e.g. local SGD ends with an averaging
         drift = policy.replica_drift
         if drift is not None:
-            done.row["replica_drift"] = drift
+            done.add("replica_drift", drift)
 
 
 class Logging:
@@ -251,7 +257,8 @@ class Logging:
         row: dict[str, Any] = {"window": state.windows, "step": state.step, "epoch": done.epoch,
                "accum_steps": window.size, "samples": state.samples_seen, "lr": done.lr,
                "stepped": done.stepped}
-        row |= done.row
+        if done.row:
+            row |= done.row
         trace = self.trace
         if trace is not None:  # this step's wait for all-reduces, overlap (trace_sync)
             row |= {f"sync_{k}": v for k, v in trace.last.items()}
