@@ -201,7 +201,9 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
         real_left -= keep
         if doomed:
             continue
-        x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
+        if keep < len(y):
+            y = y[:keep]
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = should_sync(i, size)
         if sync:
             last_synced = i
