@@ -20,7 +20,6 @@ NAMES = {
     "ByTokens.micro_loss": "token_count",
     "OverflowConsensus.window_doomed": "doomed_window",
     "run_window": "doomed_window",
-    "NoiseWindow.before_step": "noise",
     "optimizer_step": "overflow_agreement",
     "AdaptiveSchedule.after_window": "schedule",
     "Averaging.after_window": "averaging",

@@ -62,6 +62,12 @@ ORDER_RUNS = {
     "amp_aware fp16": ([*STEP, "precision=fp16", "sync=amp_aware", "sync.comm_dtype=fp16"],
                        {"doomed_window": 4, "overflow_agreement": 4, "loss": 2,
                         "replica_check": 2, "evaluation": 2}),
+    # the noise scale (its rows ride on the loss's all-reduce) and the adaptive schedule, which
+    # flushes them when it chooses the next window's size
+    "adaptive": ([*(s for s in STEP if not s.startswith("schedule.")), "trainer.noise_scale=true",
+                  "schedule=adaptive", "schedule.every=2", "schedule.initial_accum_steps=2"],
+                 {"schedule": 2, "loss": 2, "replica_check": 2, "evaluation": 2,
+                  "checkpoint": 2}),
     # local SGD averaging every 2 windows: the averaging, the drift at the log point, the
     # replicas checked after it, the finite check before each checkpoint
     "local_sgd": ([*STEP, "sync=local_sgd", "sync.every=2"],
@@ -72,7 +78,7 @@ ORDER_RUNS = {
 
 def test_the_documented_order_names_every_collective_of_a_step():
     assert loop_cases.documented() == [
-        "token_count", "doomed_window", "noise", "overflow_agreement", "schedule", "averaging",
+        "token_count", "doomed_window", "overflow_agreement", "schedule", "averaging",
         "loss", "drift", "replica_check", "evaluation", "stop", "checkpoint"]
 
 

@@ -27,18 +27,19 @@ collectives in the same order; those of one step, in order (tests/test_loop.py h
 
 1. ``token_count``: loss.normalize=tokens, the window's token count (async, launched before the
    last backward, waited for before the step); inside the window, with the gradient
-   all-reduces of the synchronising backwards (the engine's comm hook)
+   all-reduces of the synchronising backwards (the engine's comm hook, which also carries the
+   noise scale's big-batch probe)
 2. ``doomed_window``: fp16 overflow consensus after each no_sync backward (amp_aware)
-3. ``noise``: the gradient noise scale's probe at the window's end (when measured)
-4. ``overflow_agreement``: fp16, the scaler's found_inf flags after unscaling
-5. ``schedule``: schedule=adaptive choosing the next window's size after a step
-6. ``averaging``: the policy's own (local SGD, DiLoCo, sync.groups with `every`) every H windows
-7. ``loss``: at a log point, the windows' losses over ranks (the noise scale's rows ride on
+3. ``overflow_agreement``: fp16, the scaler's found_inf flags after unscaling
+4. ``schedule``: schedule=adaptive choosing the next window's size after a step (it flushes
+   the noise scale's pending rows when it needs the newest)
+5. ``averaging``: the policy's own (local SGD, DiLoCo, sync.groups with `every`) every H windows
+6. ``loss``: at a log point, the windows' losses over ranks (the noise scale's rows ride on
    it), then ``drift``: the replicas' drift (MAX), when the logged windows averaged
-8. ``replica_check``: trainer.check_replicas, every K steps
-9. ``evaluation``: trainer.eval_every, every K steps
-10. ``stop``: the stop agreement (async, on the control group)
-11. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (the loss), the finite
+7. ``replica_check``: trainer.check_replicas, every K steps
+8. ``evaluation``: trainer.eval_every, every K steps
+9. ``stop``: the stop agreement (async, on the control group)
+10. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (the loss), the finite
     check (fp32), the buffers aligned, the checkpoint's gather
 """
 
