@@ -519,7 +519,7 @@ POLICIES: list[Costs] = [
     Costs("amp_aware fp16 wire", [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"], ACCUM + 1,
           ACCUM + 1, (PRECISION, SCALER, "gradsync/sync/policies.py"),
           f"{ACCUM + 1} (fp16's 2, and one per no_sync backward)"),
-    Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_step=2"], 1, 0,
+    Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_backwards=2"], 1, 0,
           ("ddp_comm_hooks/powerSGD_hook.py",),
           "1 (torch's hook synchronizes the device: CUDA only)"),
     Costs("local SGD (every 2)", ["sync=local_sgd", "sync.every=2"], 0.5, 0.5,

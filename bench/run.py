@@ -39,7 +39,7 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     "gradsync accumulate + PowerSGD": (
         "gradsync_runs", "run",
         {"sync": "accumulate", "overrides": ("sync.compression=powersgd", "sync.powersgd_rank=4",
-                                             "sync.powersgd_start_step=2")}),
+                                             "sync.powersgd_start_backwards=2")}),
     # the same bits as SGD's for-loop step (tests/test_config.py), in half the time
     "gradsync accumulate + fused SGD": (
         "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("optimizer.fused=true",)}),

@@ -80,7 +80,7 @@ def powersgd_rng() -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
-    policy = as_policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_step=2))
+    policy = as_policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_backwards=2))
     install_counting_hook(ddp, policy.comm_hook())
     torch.cuda.manual_seed(123)
     unchanged = []
@@ -111,7 +111,7 @@ POLICIES = {  # every 3: the checkpoint at step 4 falls between two averagings (
     "accumulate": [],
     "amp_aware_bf16_wire": ["sync=amp_aware", "sync.comm_dtype=bf16"],
     "amp_aware_fp16": [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"],
-    "powersgd": ["sync.compression=powersgd", "sync.powersgd_start_step=2"],
+    "powersgd": ["sync.compression=powersgd", "sync.powersgd_start_backwards=2"],
     "local_sgd": ["sync=local_sgd", "sync.every=3"],
     "diloco": ["sync=diloco", "sync.every=3"],
     "mixed_wire_groups": ["sync.groups=[{params: '*.bias', comm_dtype: bf16}]"],  # fault 4

@@ -24,8 +24,8 @@ from gradsync.data.loader import epoch_batches, train_loader
 from gradsync.run.faults import StopAgreement, StopFlag
 from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
+from gradsync.train.callbacks import require_finite_parameters
 from gradsync.train.checkpoint import ResumeError, resolve_resume
-from gradsync.train.loop import require_finite_parameters
 from gradsync.train.metrics import keep_rows_through
 from gradsync.train.repro import config_hash, git_state, write_run_info
 from gradsync.train.state import rng_state, set_rng_state

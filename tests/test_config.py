@@ -241,18 +241,18 @@ BAD = [
                    "lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
-     "accepted keys: compression, groups, powersgd_rank, powersgd_start_step"),
+     "accepted keys: compression, groups, powersgd_rank, powersgd_start_backwards"),
     (["data._target_=components_for_tests.data_whose_check_fails"],
      "config error: ZeroDivisionError: division by zero"),
     (["data.test_fraction=1.5"], "data.test_fraction=1.5 is not allowed: a number in (0, 1)"),
     # the policy contract (sync/policy.py), checked before any worker starts
     (["sync._target_=components_for_tests.NoShouldSync", "~sync.compression",
-      "~sync.powersgd_rank", "~sync.powersgd_start_step", "~sync.groups",
+      "~sync.powersgd_rank", "~sync.powersgd_start_backwards", "~sync.groups",
       "~sync.reduce_scatter", "~sync.replica_all_reduce"],
      "sync (components_for_tests.NoShouldSync): returned a NoShouldSync, which is no sync "
      "policy: a sync policy has a method should_sync(micro_index, window_size) -> bool"),
     (["sync._target_=components_for_tests.ShouldSyncOfOneArgument", "~sync.compression",
-      "~sync.powersgd_rank", "~sync.powersgd_start_step", "~sync.groups",
+      "~sync.powersgd_rank", "~sync.powersgd_start_backwards", "~sync.groups",
       "~sync.reduce_scatter", "~sync.replica_all_reduce"],
      "sync (components_for_tests.ShouldSyncOfOneArgument): "
      "ShouldSyncOfOneArgument.should_sync(micro_index: 'int') -> 'bool' cannot be called as "

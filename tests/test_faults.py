@@ -146,7 +146,7 @@ def test_a_rank_that_raises_what_is_no_exception_is_reported_with_its_message(tm
     job = Job(tmp_path / "run", [*EXACT_RESUME, "trainer.max_epochs=1",
                                  "sync._target_=components_for_tests.RaisesBaseException",
                                  "~sync.compression", "~sync.powersgd_rank",
-                                 "~sync.powersgd_start_step", "~sync.groups",
+                                 "~sync.powersgd_start_backwards", "~sync.groups",
                                  "~sync.reduce_scatter", "~sync.replica_all_reduce"], env)
     code, _, err = job.finish()
     assert code == 1, err

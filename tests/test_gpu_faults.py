@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 from gradsync.core.devices import WrongDevice, on_device
 from gradsync.sync import layer_sync
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.local_sgd import DiLoCo, LocalSGD
-from gradsync.train import loop
+from gradsync.sync.local_sgd import diloco, local_sgd
+from gradsync.train import callbacks
 from gradsync.train.state import to_cpu
 
 CUDA = torch.device("cuda", 0)
@@ -59,9 +59,9 @@ def test_local_sgd_drift_is_max_reduced_on_the_models_device(monkeypatch):
     """Fault 1: the log step's MAX all-reduce of the replicas' drift got a CPU float64 tensor:
     on nccl, a crash at the first log step after an averaging."""
     seen: list[torch.device] = []
-    monkeypatch.setattr(loop.dist, "all_reduce", nccl_like(seen))
+    monkeypatch.setattr(callbacks.dist, "all_reduce", nccl_like(seen))
     p = SimpleNamespace(device=CUDA, world_size=2)
-    steps = loop.StepLog.__new__(loop.StepLog)
+    steps = callbacks.StepLog.__new__(callbacks.StepLog)
     steps.p, steps.rows = p, [{"window": 4, "replica_drift": 0.25}, {"window": 5}]
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(Handed):
         steps._max_drift_over_ranks()
@@ -72,12 +72,12 @@ def test_check_replicas_gathers_on_the_models_device(monkeypatch):
     """Fault 2: trainer.check_replicas moved the checksums to the CPU, then all-gathered them
     on the default group."""
     seen: list[torch.device] = []
-    monkeypatch.setattr(loop.dist, "all_gather", nccl_like(seen))
-    monkeypatch.setattr(loop.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(callbacks.dist, "all_gather", nccl_like(seen))
+    monkeypatch.setattr(callbacks.dist, "get_world_size", lambda group=None: 2)
     model = torch.nn.Linear(3, 2, device="meta")
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(Handed):
         on_fake_cuda(model)
-        loop.check_replicas(model, step=4)
+        callbacks.check_replicas(model, step=4)
     assert seen == [CUDA] * 3  # the two ranks' slots and this rank's checksums
 
 
@@ -87,10 +87,10 @@ def test_a_resumed_anchor_lives_on_the_models_device():
     model here is on the meta device (no data: any device other than the checkpoint's CPU
     shows where the anchor goes; DiLoCo's outer optimizer is built on the anchor the same
     way, in the same ModelAveraging.start, and is checked on a GPU by tests/test_gpu.py)."""
-    saved = LocalSGD(every=2)
+    saved = local_sgd(every=2)
     saved.start(torch.nn.Linear(3, 2), 0)
     state = to_cpu(saved.state_dict())  # as checkpoint.load(map_location="cpu") gives it
-    policy = LocalSGD(every=2)
+    policy = local_sgd(every=2)
     policy.load_state_dict(state)
     assert policy.state_dict()["anchor"] is state["anchor"]  # not started: as it was loaded
     policy.start(torch.nn.Linear(3, 2, device="meta"), 3)
@@ -99,11 +99,11 @@ def test_a_resumed_anchor_lives_on_the_models_device():
 
 
 def test_a_diloco_resume_restores_the_outer_momentum_onto_the_anchor():
-    saved = DiLoCo(every=2)
+    saved = diloco(every=2)
     saved.start(torch.nn.Linear(3, 2), 0)
     saved.outer.step(saved.anchor.params, [torch.ones_like(t) for t in saved.anchor.params])
     state = to_cpu(saved.state_dict())
-    policy = DiLoCo(every=2)
+    policy = diloco(every=2)
     policy.load_state_dict(state)
     policy.start(torch.nn.Linear(3, 2), 3)
     opt = policy.outer.opt
@@ -233,11 +233,11 @@ def test_the_finite_check_before_a_checkpoint_reads_the_device_once():
     """Fault 9: one read per parameter tensor at each checkpoint (fp32's finiteness check)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 4 tensors
     with HostReads() as seen:
-        loop.require_finite_parameters(model, step=3)
+        callbacks.require_finite_parameters(model, step=3)
     assert len(seen.reads) == 1, seen.reads  # the verdict, read once (not once per tensor)
     model[0].bias.data[1] = float("nan")
     with pytest.raises(FloatingPointError, match="after optimizer step 3"):
-        loop.require_finite_parameters(model, step=3)
+        callbacks.require_finite_parameters(model, step=3)
 
 
 def test_an_averaging_round_reads_the_device_once(single_process_group):
@@ -305,7 +305,7 @@ def test_no_sync_scalars_reach_tensorboard_when_the_trace_has_no_times():
         def steps(self, rows):
             raise Stop  # what follows (the log point's own scalars) is not this test's
 
-    steps = loop.StepLog.__new__(loop.StepLog)
+    steps = callbacks.StepLog.__new__(callbacks.StepLog)
     steps.p, steps.log = SimpleNamespace(noise=None, world_size=1), Log()
     steps.mark_t, steps.mark_samples = 0.0, 0
     steps.rows = [{"window": 1, "sync_wait_ms": None, "sync_overlap": None},

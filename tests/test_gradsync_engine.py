@@ -114,13 +114,13 @@ CASES = {
     "always": [*ADAMW, "sync=always", "engine.allreduce=process_group"],
     "accumulate": [*ADAMW, "sync=accumulate"],  # through shared memory
     "amp_aware": [*ADAMW, "sync=amp_aware", "precision=bf16", "engine.allreduce=process_group"],
-    "local_sgd": [*SGD, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2"],
-    "diloco": [*SGD, "sync=diloco", "sync.every=3", "sync.warmup_steps=2"],
+    "local_sgd": [*SGD, "sync=local_sgd", "sync.every=3", "sync.warmup_windows=2"],
+    "diloco": [*SGD, "sync=diloco", "sync.every=3", "sync.warmup_windows=2"],
     "groups": [*SGD, "sync=accumulate", 'sync.groups=[{params: "*.bias", comm_dtype: bf16, '
                'name: biases}, {params: "0.*", every: 4, name: first}]'],
     # torch's powerSGD_hook on the engine's bucket: error feedback keyed by bucket.index()
     "powersgd": [*SGD, "sync=accumulate", "sync.compression=powersgd", "sync.powersgd_rank=1",
-                 "sync.powersgd_start_step=2"],
+                 "sync.powersgd_start_backwards=2"],
 }
 SAME = ("optimizer_steps", "samples_seen", "final_train_loss", "eval", "sync_backwards",
         "allreduce_calls", "allreduce_bytes", "allreduce", "allreduce_groups", "averagings")

@@ -31,7 +31,7 @@ WINDOWS, PARAMS = 12, 178
 # warm-up windows 1-2 exact, then averagings after windows 5, 8, 11 and at the end (12)
 # trainer.check_replicas=1: the cross-rank checksum runs whenever the policy says the replicas
 # are in sync (warm-up windows, right after each averaging) and stops the run if they are not
-LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_steps=2",
+LOCAL = [*BASE, "sync=local_sgd", "sync.every=3", "sync.warmup_windows=2",
          "trainer.check_replicas=1"]
 AVERAGED = {5, 8, 11, "finish"}
 
@@ -144,7 +144,7 @@ def test_a_non_finite_parameter_on_one_rank_stops_every_rank_at_once_with_one_li
     """Local SGD averages every 4 steps; rank 1's replica alone goes inf after step 3, a
     checkpoint step: every rank stops there with the same line naming rank 1, promptly (before:
     rank 1 raised, rank 0 waited in the checkpoint's gather for the group's 60 s timeout)."""
-    cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=4", "sync.warmup_steps=0",
+    cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=4", "sync.warmup_windows=0",
                      "trainer.checkpoint_every=3"])
     out = pool2.run(local_sgd_cases.non_finite_on_one_rank, cfg, str(tmp_path), 1, 3,
                     timeout=45)
@@ -254,7 +254,7 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_bit_for_bit(local, pool2,
                                                                          tmp_path):
-    outer = ["sync=diloco", "sync.every=3", "sync.warmup_steps=2", "sync.outer_lr=1.0",
+    outer = ["sync=diloco", "sync.every=3", "sync.warmup_windows=2", "sync.outer_lr=1.0",
              "sync.outer_momentum=0.0", "sync.outer_nesterov=false"]
     plain, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*BASE, *outer]),
                          str(tmp_path / "plain"))
@@ -287,19 +287,26 @@ def test_fp16_overflow_on_one_rank_skips_its_step_only_and_averaging_stays_on_sc
 BAD = [
     (["sync=local_sgd", "sync.every=0"], "sync.every=0 is not allowed: an integer >= 1"),
     (["sync=diloco", "sync.every=-2"], "sync.every=-2 is not allowed"),
-    (["sync=local_sgd", "sync.warmup_steps=-1"], "sync.warmup_steps=-1 is not allowed"),
+    (["sync=local_sgd", "sync.warmup_windows=-1"], "sync.warmup_windows=-1 is not allowed"),
     (["sync=local_sgd", "+sync.compression=powersgd"],
-     "sync.compression: unknown key for gradsync.sync.local_sgd.LocalSGD; accepted keys: "
-     "comm_dtype, every, warmup_steps"),
+     "sync.compression: unknown key for gradsync.sync.local_sgd.local_sgd; accepted keys: "
+     "comm_dtype, every, warmup_windows"),
     (["sync=diloco", "+sync.powersgd_rank=2"], "sync.powersgd_rank: unknown key for "
-     "gradsync.sync.local_sgd.DiLoCo"),
+     "gradsync.sync.local_sgd.diloco"),
     (["sync=local_sgd", "+sync.overflow_consensus=true"],
-     "sync.overflow_consensus: unknown key for gradsync.sync.local_sgd.LocalSGD"),
+     "sync.overflow_consensus: unknown key for gradsync.sync.local_sgd.local_sgd"),
     (["sync=local_sgd", "sync.comm_dtype=fp16"], "sync.comm_dtype='fp16' is not allowed: one "
      "of fp32, bf16"),
     (["sync=diloco", "sync.outer_momentum=0"], "sync.outer_nesterov=true needs "
      "sync.outer_momentum > 0"),
     (["sync=diloco", "sync.outer_lr=0"], "sync.outer_lr=0 is not allowed: a number > 0"),
+    # renamed to say their unit: the old name names the new one
+    (["sync=local_sgd", "+sync.warmup_steps=2"],
+     "sync.warmup_steps was renamed: use sync.warmup_windows"),
+    (["sync=diloco", "+sync.warmup_steps=2"],
+     "sync.warmup_steps was renamed: use sync.warmup_windows"),
+    (["sync=amp_aware", "+sync.powersgd_start_step=2"],
+     "sync.powersgd_start_step was renamed: use sync.powersgd_start_backwards"),
 ]
 
 

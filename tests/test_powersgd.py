@@ -23,7 +23,8 @@ BASE = ["data=synthetic", "data.num_samples=512", "data.in_dim=32", "data.out_di
         "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1",
         "trainer.checkpoint_every=0"]
 RANK = 4
-PSGD = ["sync.compression=powersgd", f"sync.powersgd_rank={RANK}", "sync.powersgd_start_step=2"]
+PSGD = ["sync.compression=powersgd", f"sync.powersgd_rank={RANK}",
+        "sync.powersgd_start_backwards=2"]
 STEPS = 4 * 512 // (2 * 16 * 2)
 
 
@@ -69,8 +70,8 @@ def test_skipped_fp16_steps_do_not_poison_the_error_feedback(pool2, tmp_path):
 def test_powersgd_options_are_checked_before_any_worker_starts():
     with pytest.raises(ConfigError, match="sync.compression='topk' is not allowed"):
         preflight(compose_plain(["sync.compression=topk"]))
-    with pytest.raises(ConfigError, match="sync.powersgd_start_step=1 is not allowed"):
-        preflight(compose_plain([*PSGD, "sync.powersgd_start_step=1"]))
+    with pytest.raises(ConfigError, match="sync.powersgd_start_backwards=1 is not allowed"):
+        preflight(compose_plain([*PSGD, "sync.powersgd_start_backwards=1"]))
     with pytest.raises(ConfigError, match="set sync.comm_dtype=fp32"):
         preflight(compose_plain(["sync=amp_aware", "sync.compression=powersgd"]))
     with pytest.raises(ConfigError, match="powersgd all-reduces through the process group"):

@@ -230,7 +230,7 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
     assert targets["always"] == "AlwaysSync" and targets["amp_aware_bf16"] == "AmpAwareSync"
     assert targets["accumulate"] == targets["powersgd"] == targets["adaptive"] \
         == "AccumulateSync"
-    assert (targets["local_sgd_h8"], targets["diloco_h16"]) == ("LocalSGD", "DiLoCo")
+    assert (targets["local_sgd_h8"], targets["diloco_h16"]) == ("local_sgd", "diloco")
 
 
 def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budget():

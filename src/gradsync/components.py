@@ -223,6 +223,9 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
         if key in runtime:
             raise ConfigError(f"{group}.{key}: set by gradsync at run time, not in the config "
                               f"({keys})")
+        if key in getattr(target, "renamed", {}):  # an option renamed (sync/policy.py RENAMED)
+            new = target.renamed[key]
+            raise ConfigError(f"{group}.{key} was renamed: use {group}.{new}")
         if key not in params and not takes_any_keyword(target):
             raise ConfigError(f"{group}.{key}: unknown key for {node['_target_']}; {keys}")
     for name, p in params.items():

@@ -81,6 +81,9 @@ def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any]
         target = None
     if node is None or target is None:
         return f"{key}: unknown key for the chosen {group}"
+    if name in getattr(target, "renamed", {}):  # an option renamed (sync/policy.py RENAMED)
+        new = target.renamed[name]
+        return f"{key} was renamed: use {group}.{new}"
     runtime = runtime_arguments(group, node_of(cfg, "data"))
     accepted = sorted(n for n in parameters(target) if n not in runtime)
     keys = (f"; accepted keys: {', '.join(accepted)}" if accepted else ", which takes no keys")

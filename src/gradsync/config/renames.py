@@ -1,7 +1,10 @@
 """Renamed options: an old name answers with one line naming the new one (exit 2), whether it
 comes as a command-line override (``schedule.every=8``) or from a YAML file of one's own (an
 experiment preset, a ``--config-dir``). One line per rename in ``RENAMED``; the glossary of the
-words the new names use is in docs/architecture.md ("Glossary")."""
+words the new names use is in docs/architecture.md ("Glossary"). A component's own option
+(sync.warmup_steps of local SGD, not every sync target's) is renamed on its target instead: its
+`renamed` mapping (sync/policy.py RENAMED), read by components.check and errors.py, in the same
+words."""
 
 from __future__ import annotations
 

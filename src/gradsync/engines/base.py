@@ -74,8 +74,8 @@ class Engine(Protocol):
     transport: str  # how the gradients travel: process_group | shared_memory
     trace: SyncTrace | None  # engine.trace_sync's recorder (engines/trace.py), or None
     compiled: Compile | None  # compile.enabled: how, and its graphs and seconds (compiled.py)
-    # the gradient bytes held after each backward (the engine records them on leaving
-    # micro_batch()) and the rank's peak memory (train/memory.py)
+    # the gradient bytes held (the engine records them on leaving micro_batch(), or once per
+    # window in zero_grad() where they only accumulate) and the rank's peak memory (memory.py)
     memory: MemoryMeter
 
     def __call__(self, *inputs: Any) -> Any:

@@ -239,11 +239,6 @@ class GradsyncDDP:
                 yield
         finally:
             self.require_sync = previous
-        # every rank holds whole gradients (views into the buckets: each bucket once; else the
-        # gradients and the buckets, a second copy)
-        copies = [] if self.gradient_as_bucket_view else [b.buffer for b in self.buckets]
-        self.memory.record(storage_bytes([*(q.grad for q in self.module.parameters()),
-                                          *copies]), 0)
 
     # --- 4. backward: one parameter's gradient is ready ---------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -370,6 +365,12 @@ class GradsyncDDP:
 
     # --- 6. the step, and the rest of the interface ----------------------------------------------
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # once per window, before they go: the most gradient bytes the window held (a window's
+        # gradients only accumulate). Every rank holds whole gradients (views into the
+        # buckets: each bucket once; else the gradients and the buckets, a second copy)
+        copies = [] if self.gradient_as_bucket_view else [b.buffer for b in self.buckets]
+        self.memory.record(storage_bytes([*(q.grad for q in self.module.parameters()),
+                                          *copies]), 0)
         optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self.trace:
             self.trace.step_end()

@@ -88,10 +88,6 @@ class TorchDDP:
         if missing:  # before the optimizer steps on gradients whose buckets never went out
             raise unused_error(missing, "their buckets were never all-reduced (torch's DDP "
                                "would stop at the next forward)")
-        # every rank holds whole gradients (views into DDP's buckets: each bucket once; else
-        # the gradients and the buckets)
-        self.memory.record(storage_bytes(q.grad for q in self.module.parameters())
-                           + self.bucket_bytes, 0)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ddp.parameters()
@@ -100,6 +96,11 @@ class TorchDDP:
         broadcast_from_rank0(self.buffers)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # once per window, before they go: the most gradient bytes the window held (a window's
+        # gradients only accumulate). Every rank holds whole gradients (views into DDP's
+        # buckets: each bucket once; else the gradients and the buckets)
+        self.memory.record(storage_bytes(q.grad for q in self.module.parameters())
+                           + self.bucket_bytes, 0)
         optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self.trace:
             self.trace.step_end()

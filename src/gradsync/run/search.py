@@ -51,7 +51,7 @@ ONLY_WHEN = {
                          lambda cfg: _sharded(cfg.engine.name)),
     "max_replica_drift": ("sync=local_sgd or sync=diloco",
                           lambda cfg: str(cfg.sync.get("_target_", "")).endswith(
-                              (".LocalSGD", ".DiLoCo"))),
+                              (".local_sgd", ".diloco"))),
 }
 # Produced by some runs, depending on the data (accuracy: a `correct` metric, perplexity: token
 # data) or the engine's memory measure: checked on each run (without it: a failed trial).

@@ -2,7 +2,7 @@
 models instead: local SGD (Lin et al. 2020, with post-local SGD warm-up) and DiLoCo (Douillard
 et al. 2023).
 
-Every forward+backward runs inside ``no_sync()`` (after ``warmup_steps`` windows of exact
+Every forward+backward runs inside ``no_sync()`` (after ``warmup_windows`` windows of exact
 ``accumulate``), so each rank steps its own optimizer on its own window gradient. Every
 ``every`` windows (H) the replicas meet in ONE all-reduce (averaging.Anchor): each rank's
 pseudo-gradient ``global - local`` over its parameters and floating-point buffers is averaged in
@@ -26,7 +26,7 @@ from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.core.dtypes import DTYPES
 from gradsync.sync.averaging import Anchor, plain_average
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.policy import SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.shm_allreduce import SharedSlots
 
 COMM_DTYPES = ("fp32", "bf16")
@@ -37,8 +37,9 @@ def _check_local_sgd(a: dict[str, Any], ctx: CheckContext) -> None:
     parameters of these policies: the signature check refuses them as unknown keys."""
     require(isinstance(a["every"], int) and a["every"] >= 1, "sync.every",
             "an integer >= 1 (windows between averagings)", a["every"])
-    require(isinstance(a["warmup_steps"], int) and a["warmup_steps"] >= 0, "sync.warmup_steps",
-            "an integer >= 0 (exact accumulate windows first)", a["warmup_steps"])
+    warmup = a["warmup_windows"]
+    require(isinstance(warmup, int) and warmup >= 0, "sync.warmup_windows",
+            "an integer >= 0 (exact accumulate windows first)", warmup)
     require(a["comm_dtype"] in COMM_DTYPES, "sync.comm_dtype", f"one of {', '.join(COMM_DTYPES)}",
             a["comm_dtype"])
 
@@ -110,16 +111,16 @@ class OuterSGD:
 
 
 class ModelAveraging(SyncPolicy):
-    """The policy: exact accumulate for `warmup_steps` windows, then local steps, and every
+    """The policy: exact accumulate for `warmup_windows` windows, then local steps, and every
     `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
-    global weights. LocalSGD and DiLoCo below build it; they only choose the outer update."""
+    global weights. local_sgd() and diloco() below build it; they only choose the outer update."""
 
     syncs_parameters = True  # no gradient all-reduce after warm-up: this policy syncs the models
 
-    def __init__(self, name: str, every: int, warmup_steps: int, comm_dtype: str,
+    def __init__(self, name: str, every: int, warmup_windows: int, comm_dtype: str,
                  outer: MeanModel | OuterSGD, counts: CommCounts | None = None):
         self.name = name
-        self.every, self.warmup = every, warmup_steps
+        self.every, self.warmup = every, warmup_windows
         self.wire = DTYPES[comm_dtype]
         self.outer = outer
         self.counts = counts if counts is not None else CommCounts()
@@ -139,7 +140,7 @@ class ModelAveraging(SyncPolicy):
     # overflow consensus: each rank's GradScaler skips its own overflowing steps, as after
     # warm-up no all-reduce makes the gradients, hence the flags, agree) ------------------------
     def should_sync(self, micro_index: int, window_size: int) -> bool:
-        return self.windows < self.warmup and micro_index == window_size - 1
+        return self.windows < self.warmup and last_micro_batch(micro_index, window_size)
 
     def after_step(self, stepped: bool) -> None:
         self.averaging.local_skipped_steps += not stepped
@@ -212,18 +213,24 @@ class ModelAveraging(SyncPolicy):
 # The components (`_target_`s of conf/sync/local_sgd.yaml and diloco.yaml): each chooses the
 # outer update and its defaults for the one policy class, ModelAveraging.
 @checks(_check_local_sgd)
-def LocalSGD(every: int = 8, warmup_steps: int = 0, comm_dtype: str = "fp32",
+def local_sgd(every: int = 8, warmup_windows: int = 0, comm_dtype: str = "fp32",
              counts: CommCounts | None = None) -> ModelAveraging:
     """sync=local_sgd: every `every` windows the replicas are replaced by their mean."""
-    return ModelAveraging("local_sgd", every, warmup_steps, comm_dtype, MeanModel(), counts)
+    return ModelAveraging("local_sgd", every, warmup_windows, comm_dtype, MeanModel(), counts)
+
+
+local_sgd.renamed = renamed_keys("sync.warmup_steps")  # type: ignore[attr-defined]
 
 
 @checks(_check_diloco)
-def DiLoCo(every: int = 32, warmup_steps: int = 0, comm_dtype: str = "fp32",
+def diloco(every: int = 32, warmup_windows: int = 0, comm_dtype: str = "fp32",
            outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
            counts: CommCounts | None = None) -> ModelAveraging:
     """sync=diloco: the configured optimizer is the inner one; every `every` windows an outer SGD
     (Nesterov momentum by default, as in the paper) steps the global weights on the mean
     pseudo-gradient and every rank continues from them."""
-    return ModelAveraging("diloco", every, warmup_steps, comm_dtype,
+    return ModelAveraging("diloco", every, warmup_windows, comm_dtype,
                           OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)
+
+
+diloco.renamed = local_sgd.renamed  # type: ignore[attr-defined]

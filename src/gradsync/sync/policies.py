@@ -18,14 +18,8 @@ from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.core.dtypes import DTYPES
 from gradsync.sync.comm import FLAVOURS, CommCounts, InnerHook, ShardedSync, allreduce_in
 from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
-from gradsync.sync.policy import OverflowCounts, SyncPolicy
+from gradsync.sync.policy import OverflowCounts, SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
-
-
-def last_micro_batch(micro_index: int, window_size: int) -> bool:
-    """The boundary of accumulation: only a window's last micro-batch (a short last window
-    included) synchronises."""
-    return micro_index == window_size - 1
 
 
 class Compression:
@@ -121,8 +115,8 @@ def _check_compression(a: dict[str, Any], ctx: CheckContext) -> None:
             a["compression"])
     require(a["powersgd_rank"] >= 1, "sync.powersgd_rank", "an integer >= 1",
             a["powersgd_rank"])
-    require(a["powersgd_start_step"] >= 2, "sync.powersgd_start_step",
-            "an integer >= 2 (torch's PowerSGD with error feedback)", a["powersgd_start_step"])
+    require(a["powersgd_start_backwards"] >= 2, "sync.powersgd_start_backwards",
+            "an integer >= 2 (torch's PowerSGD with error feedback)", a["powersgd_start_backwards"])
     if a["compression"] == "powersgd" and ctx.provided.get("allreduce") == "shared_memory":
         raise ConfigError("sync.compression=powersgd all-reduces through the process group: "
                           "use engine.allreduce=auto or process_group")
@@ -224,9 +218,9 @@ class WindowSync(SyncPolicy):
         return self.wire.replicas_in_sync()
 
 
-def _wire(compression: str, powersgd_rank: int, powersgd_start_step: int,
+def _wire(compression: str, powersgd_rank: int, powersgd_start_backwards: int,
           wire_dtype: torch.dtype | None, groups: Rules, counts: CommCounts | None) -> Compression:
-    powersgd = (build_powersgd(powersgd_rank, powersgd_start_step) if compression == "powersgd"
+    powersgd = (build_powersgd(powersgd_rank, powersgd_start_backwards) if compression == "powersgd"
                 else None)
     return Compression(wire_dtype, powersgd, groups, counts)
 
@@ -241,12 +235,13 @@ class AccumulateSync(WindowSync):
     replica_all_reduce choose how units accumulate in between (sync/comm.py ShardedSync)."""
 
     name = "accumulate"
+    renamed = renamed_keys("sync.powersgd_start_step")
 
     def __init__(self, compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10, groups: Rules = (),
+                 powersgd_start_backwards: int = 10, groups: Rules = (),
                  reduce_scatter: str = "boundary", replica_all_reduce: str = AS_REDUCE_SCATTER,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
-        super().__init__(_wire(compression, powersgd_rank, powersgd_start_step, None, groups,
+        super().__init__(_wire(compression, powersgd_rank, powersgd_start_backwards, None, groups,
                                counts), False, uses_scaler, reduce_scatter, replica_all_reduce)
 
 
@@ -256,12 +251,13 @@ class AmpAwareSync(WindowSync):
     fp16) and, when the fp16 GradScaler runs, overflow consensus (OverflowConsensus)."""
 
     name = "amp_aware"
+    renamed = renamed_keys("sync.powersgd_start_step")
 
     def __init__(self, comm_dtype: str = "bf16", overflow_consensus: bool = True,
                  compression: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10, groups: Rules = (),
+                 powersgd_start_backwards: int = 10, groups: Rules = (),
                  reduce_scatter: str = "boundary", replica_all_reduce: str = AS_REDUCE_SCATTER,
                  uses_scaler: bool = False, counts: CommCounts | None = None):
-        super().__init__(_wire(compression, powersgd_rank, powersgd_start_step,
+        super().__init__(_wire(compression, powersgd_rank, powersgd_start_backwards,
                                DTYPES[comm_dtype], groups, counts),
                          overflow_consensus, uses_scaler, reduce_scatter, replica_all_reduce)

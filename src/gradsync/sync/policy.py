@@ -8,9 +8,10 @@ all-reduce, take part in fp16's overflow handling, or keep the replicas consiste
 averaging parameters (local SGD). Each is called at one point of the loop, named in its
 docstring; ``docs/components.md`` shows a policy of one's own.
 
-A policy is an ordinary ``_target_`` component (conf/sync/). Subclass ``SyncPolicy``, or write
-any class with ``should_sync``: ``as_policy`` extends such a class with the base class (its own
-members come first), so the loop can ask every policy every question.
+A policy is an ordinary ``_target_`` component (conf/sync/). Write any class with
+``should_sync``, or subclass ``SyncPolicy``: ``as_policy`` holds an object of a class of its own
+in an ``Adopted`` (its own members first, the defaults for the rest; its class is left as it
+is), so the loop and the engines can ask every policy every question.
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ from gradsync.sync.comm import COMPRESS_HOOKS, InnerHook, ShardedSync, allreduce
 
 if TYPE_CHECKING:
     from gradsync.sync.shm_allreduce import SharedSlots
+
+
+# Options of sync.* renamed to say their unit (issue 29): the old name answers with a one-line
+# error naming the new one. Read by the config checks through each target's `renamed`
+# (components.check, config/errors.py): {old: new}, as sync.<key>.
+RENAMED = {
+    "sync.warmup_steps": "sync.warmup_windows",  # local SGD / DiLoCo: counts windows
+    "sync.powersgd_start_step": "sync.powersgd_start_backwards",  # counts syncing backwards
+}
+
+
+def renamed_keys(*old: str) -> dict[str, str]:
+    """A target's `renamed`: its keys' old bare names to their new ones."""
+    return {o.split(".", 1)[1]: RENAMED[o].split(".", 1)[1] for o in old}
+
+
+def last_micro_batch(micro_index: int, window_size: int) -> bool:
+    """The boundary of accumulation: a window's last micro-batch (a short last window
+    included), the one that synchronises. The one place this rule is written (the policies,
+    the loop's check, the token count)."""
+    return micro_index == window_size - 1
 
 
 @dataclass
@@ -151,46 +173,77 @@ class SyncPolicy:
 
 def decides_per_bucket(policy: SyncPolicy) -> bool:
     """The policy answers sync_bucket itself: only engine=gradsync can carry that out."""
-    return type(policy).sync_bucket is not SyncPolicy.sync_bucket
+    return _own(policy.sync_bucket, SyncPolicy.sync_bucket)
 
 
-_adopted: dict[type, type] = {}
+# What a policy of a class of its own may define besides should_sync: whatever of these it has
+# is called, the base class's default otherwise (the contract page, docs/components.md).
+OPTIONAL = ("bind", "comm_hook", "sharded_sync", "use_shared_memory", "sync_bucket",
+            "window_doomed", "agree_on_overflow", "after_step", "start", "after_window", "finish",
+            "replicas_in_sync", "local_step", "state_dict", "load_state_dict")
+
+
+class Adopted(SyncPolicy):
+    """A policy of a class of its own (no SyncPolicy subclass), held, not changed: its
+    should_sync and whichever OPTIONAL members it defines, SyncPolicy's defaults for the rest.
+    Attributes it sets itself (syncs_parameters, own_replicas, replica_drift, averaging) are
+    read from it."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.name = getattr(policy, "name", "") or type(policy).__name__
+        self.should_sync = policy.should_sync  # type: ignore[method-assign]
+        for member in OPTIONAL:
+            if callable(getattr(policy, member, None)):
+                setattr(self, member, getattr(policy, member))
+
+    @property
+    def syncs_parameters(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.policy, "syncs_parameters", False))
+
+    @property
+    def own_replicas(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.policy, "own_replicas", False))
+
+    @property
+    def replica_drift(self) -> float | None:  # type: ignore[override]
+        return getattr(self.policy, "replica_drift", None)
+
+    @property
+    def averaging(self) -> Any:  # type: ignore[override]
+        return getattr(self.policy, "averaging", None)
 
 
 def as_policy(obj: Any, target: str = "sync") -> SyncPolicy:
-    """A built sync component as a SyncPolicy. An instance of a subclass is returned as it is;
-    an object of a class of its own gets the base class's defaults for what it leaves out (its
-    class is extended with SyncPolicy, its own members first). ConfigError when it cannot be a
-    policy: no ``should_sync(micro_index, window_size)``."""
+    """A built sync component as a SyncPolicy: an instance of a subclass as it is, an object of
+    a class of its own held by an ``Adopted`` (its class and its object are left as they are).
+    ConfigError when it cannot be a policy: no ``should_sync(micro_index, window_size)``."""
     if not isinstance(obj, SyncPolicy):
-        cls = type(obj)
         if not callable(getattr(obj, "should_sync", None)):
             raise ConfigError(f"sync ({target}): returned {kind_of(obj)}, which is no sync policy: "
                               "a sync policy has a method should_sync(micro_index, window_size) "
                               "-> bool (subclass gradsync.sync.SyncPolicy)")
-        if cls not in _adopted:
-            _adopted[cls] = type(cls.__name__, (cls, SyncPolicy),
-                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        try:
-            obj.__class__ = _adopted[cls]
-        except TypeError:
-            raise ConfigError(f"sync ({target}): {cls.__qualname__} cannot take SyncPolicy's "
-                              "defaults (its layout is fixed): subclass "
-                              "gradsync.sync.SyncPolicy") from None
+        obj = Adopted(obj)
     check_should_sync(obj, target)
     return obj
 
 
+def _own(method: Any, default: Any) -> bool:
+    """A policy's member is its own (not SyncPolicy's default), for a subclass's method and for
+    one an Adopted holds alike."""
+    return getattr(method, "__func__", method) is not default
+
+
 def check_should_sync(policy: SyncPolicy, target: str) -> None:
     """should_sync is implemented and callable as should_sync(micro_index, window_size)."""
-    method = type(policy).should_sync
-    if method is SyncPolicy.should_sync:
+    if not _own(policy.should_sync, SyncPolicy.should_sync):
         raise ConfigError(f"sync ({target}): {type(policy).__qualname__} has no should_sync("
                           "micro_index, window_size) -> bool, the one method a policy needs")
+    owner = type(policy.policy if isinstance(policy, Adopted) else policy).__qualname__
     try:
         inspect.signature(policy.should_sync).bind(0, 1)
     except TypeError:
-        raise ConfigError(f"sync ({target}): {type(policy).__qualname__}.should_sync"
+        raise ConfigError(f"sync ({target}): {owner}.should_sync"
                           f"{inspect.signature(policy.should_sync)} cannot be called as "
                           "should_sync(micro_index, window_size)") from None
     except ValueError:  # no signature to read (a builtin): let it be called

@@ -19,30 +19,49 @@ real updates (Lightning #5558 stepped the scheduler anyway).
 Windows are cut one at a time from where the epoch stands (schedules.cut_window), so the window
 size may change inside an epoch (schedule=adaptive, following the noise scale measured by
 train/noise_scale.py); with a fixed schedule they are the epoch's plan, window for window.
+
+One step, as ``train()`` runs it: cut a window, run its micro-batches (``run_window``: the
+policy's ``should_sync`` for each), step (``optimizer_step``), then hand the window to the
+run's callbacks (train/callbacks.py), each owning one feature. Every rank runs the same
+collectives in the same order; those of one step, in order (tests/test_loop.py holds it):
+
+1. ``token_count``: loss.normalize=tokens, the window's token count (async, launched before the
+   last backward, waited for before the step); inside the window, with the gradient
+   all-reduces of the synchronising backwards (the engine's comm hook, which also carries the
+   noise scale's big-batch probe)
+2. ``doomed_window``: fp16 overflow consensus after each no_sync backward (amp_aware)
+3. ``overflow_agreement``: fp16, the scaler's found_inf flags after unscaling
+4. ``schedule``: schedule=adaptive choosing the next window's size after a step (it flushes
+   the noise scale's pending rows when it needs the newest)
+5. ``averaging``: the policy's own (local SGD, DiLoCo, sync.groups with `every`) every H windows
+6. ``loss``: at a log point, the windows' losses over ranks (the noise scale's rows ride on
+   it), then ``drift``: the replicas' drift (MAX), when the logged windows averaged
+7. ``replica_check``: trainer.check_replicas, every K steps
+8. ``evaluation``: trainer.eval_every, every K steps
+9. ``stop``: the stop agreement (async, on the control group)
+10. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (the loss), the finite
+    check (fp32), the buffers aligned, the checkpoint's gather
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.config.schema import TrainerConfig
-from gradsync.core.devices import on_device
 from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.policy import SyncPolicy, last_micro_batch
+from gradsync.train.callbacks import Done, callbacks
 from gradsync.train.lr_scaling import ScaledLR
-from gradsync.train.memory import local
-from gradsync.train.metrics import RunLog, peak_memory_mb
+from gradsync.train.metrics import RunLog
 from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import Normalizer
 from gradsync.train.precision import Precision
@@ -97,7 +116,8 @@ class Parts:
         return self.precision.name == "fp32"
 
     @property
-    def check_replicas(self) -> int:
+    def replica_check_every(self) -> int:
+        """Optimizer steps between replica checks (trainer.check_replicas), 0: none (one rank)."""
         return self.trainer.check_replicas if self.world_size > 1 else 0
 
 
@@ -116,6 +136,18 @@ class Progress:
     @property
     def skipped_steps(self) -> int:
         return self.windows - self.step
+
+    def advance(self, window: Window, stepped: bool, epoch_end: int) -> bool:
+        """Count one window run (stepped: its optimizer step was taken); True when it ended
+        the epoch (epoch_end: the epoch's micro-batches)."""
+        self.windows += 1
+        self.step += stepped
+        self.samples_seen += window.global_real
+        end = window.stop == epoch_end
+        self.epoch += end  # counts completed epochs
+        self.epoch_step = 0 if end else self.epoch_step + 1
+        self.epoch_micro = 0 if end else window.stop
+        return end
 
     def done(self, tr: TrainerConfig) -> bool:
         return self.epoch >= tr.max_epochs or (tr.max_steps >= 0 and self.step >= tr.max_steps)
@@ -160,20 +192,23 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
     total = torch.zeros((), device=device)
     if meter is not None:
         meter.start_window()
+    size, real_left = window.size, window.real
+    should_sync, doomed_after = policy.should_sync, policy.window_doomed
     doomed = False
-    real_left = window.real
     last_synced = -1  # the window's last micro-batch so far that synchronised
-    for i in range(window.size):
+    for i in range(size):
         x, y = next(batches)
         keep = min(real_left, len(y))
         real_left -= keep
         if doomed:
             continue
-        x, y = x.to(device, non_blocking=True), y[:keep].to(device, non_blocking=True)
-        sync = policy.should_sync(i, window.size)
+        if keep < len(y):
+            y = y[:keep]
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = should_sync(i, size)
         if sync:
             last_synced = i
-        elif i == window.size - 1 and not policy.syncs_parameters:
+        elif last_micro_batch(i, size) and not policy.syncs_parameters:
             raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
         with engine.micro_batch(sync):
             with precision.autocast():
@@ -184,7 +219,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
                 meter.before_backward(i, keep, counts, engine.parameters())
             precision.backward(micro)
         total += micro.detach()
-        doomed = policy.window_doomed(engine.module, i, window.size)
+        doomed = doomed_after(engine.module, i, size)
     if doomed:
         return torch.full((), float("nan"), device=device)
     return norm.window_loss(total)
@@ -211,169 +246,17 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
     return stepped, norm
 
 
-# the noise scale's fields of a metrics row that TensorBoard gets (of the log point's window)
-NOISE_SCALARS = ("grad_sq_small", "grad_sq_big", "grad_norm_sq_window", "grad_trace_cov_window",
-                 "grad_norm_sq", "grad_trace_cov", "noise_scale")
-
-
-class StepLog:
-    """Per-step rows kept until the next log point, then their losses are averaged over ranks
-    in one all-reduce (not one per step) and written."""
-
-    def __init__(self, p: Parts, log: RunLog, state: Progress):
-        self.p, self.log, self.state = p, log, state
-        self.rows: list[dict[str, Any]] = []
-        self.losses: list[torch.Tensor] = []
-        self.mark_t, self.mark_samples = state.train_s, state.samples_seen
-
-    def _max_drift_over_ranks(self) -> None:
-        """Rows of windows that averaged hold this rank's drift: the max over ranks replaces
-        it (every rank averaged at the same windows, so all join this all-reduce or none)."""
-        rows = [r for r in self.rows if "replica_drift" in r]
-        if not rows:
-            return
-        # on the model's device: nccl (or a cuda:gloo group) serves no CPU tensor
-        drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64,
-                              device=self.p.device)
-        if self.p.world_size > 1:
-            dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
-        for row, drift in zip(rows, drifts.tolist(), strict=True):
-            row["replica_drift"] = drift
-            self.log.scalars(row["window"], {"sync/replica_drift": drift})
-
-    def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
-        # where the run stands on the sweep summary's other axes (rank 0's bytes, loop time)
-        row |= _spent(self.p, self.state)
-        self.rows.append(row)
-        self.losses.append(local_loss)
-
-    def flush(self, state: Progress, norm: torch.Tensor | None) -> None:
-        if not self.rows:
-            return
-        grad_norm = None if norm is None else float(norm)
-        losses = torch.stack(self.losses).double()
-        noise = self.p.noise
-        if noise is not None:  # the windows' noise-scale rows ride on the same all-reduce
-            losses = noise.flush(losses)  # type: ignore[assignment]
-        elif self.p.world_size > 1:
-            dist.all_reduce(losses)
-        if self.p.world_size > 1:
-            losses /= self.p.world_size
-        for row, loss in zip(self.rows, losses.tolist(), strict=True):
-            row["loss"] = loss
-            if noise is not None:
-                row |= noise.take(row["window"])
-        self._max_drift_over_ranks()
-        for row in self.rows:  # rank 0's, every step (engine.trace_sync; None on CUDA: n/a)
-            traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
-                      if row.get(k) is not None}
-            if traced:
-                self.log.scalars(row["window"], traced)
-        bad = next((r for r in self.rows if not math.isfinite(r["loss"])), None)
-        state.last_loss = self.rows[-1]["loss"]
-        elapsed = state.train_s - self.mark_t
-        sps = (state.samples_seen - self.mark_samples) / elapsed if elapsed > 0 else 0.0
-        self.mark_t, self.mark_samples = state.train_s, state.samples_seen
-        last = self.rows[-1]
-        last["samples_per_s"] = sps
-        if grad_norm is not None:
-            last["grad_norm"] = grad_norm
-        self.log.steps(self.rows)
-        c = self.p.counts
-        scalars = {
-            "train/loss": last["loss"], "train/lr": last["lr"], "perf/samples_per_s": sps,
-            "train/accum_steps": last["accum_steps"], "comm/sync_backwards": c.sync_backwards,
-            "comm/allreduce_calls": c.allreduce_calls, "comm/allreduce_bytes": c.allreduce_bytes,
-        } | {f"comm/bytes/{g}": nbytes for g, (_, nbytes) in c.groups.items()} \
-          | c.sharded_scalars() | self.p.engine.memory.scalars()
-        if grad_norm is not None:
-            scalars["train/grad_norm"] = grad_norm
-        if "lr_factor" in last:
-            scalars["train/lr_factor"] = last["lr_factor"]
-        scalars |= {f"noise/{k}": v for k, v in last.items() if k in NOISE_SCALARS}
-        if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json
-            scalars["perf/peak_gpu_mem_mb"] = peak_memory_mb(self.p.device)
-        if self.p.precision.scaler is not None:
-            scalars["amp/scale"] = self.p.precision.scale
-            scalars["amp/skipped_steps"] = state.skipped_steps
-            scalars["amp/aborted_windows"] = self.p.policy.overflow.aborted_windows
-            scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
-        self.log.scalars(state.windows, scalars)
-        self.rows, self.losses = [], []
-        if bad is not None and self.p.check_finite:
-            raise FloatingPointError(
-                f"non-finite training loss ({bad['loss']}) at optimizer step {bad['step']} "
-                "(fp32); stopped, the last good checkpoint stays in checkpoints/")
-
-
-def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
-    """No checkpoint of a diverged model: the step's loss may still have been finite. Collective
-    where a process group is up: replicas that train apart (local SGD, DiLoCo, `every` groups)
-    differ between averagings, so one rank's parameters may go non-finite alone; every rank's
-    verdict goes into one all-reduce (a slot per rank: who diverged), so all ranks stop together
-    with the same line instead of the others waiting in the checkpoint's gather. A sharded
-    engine's rank checks its shards."""
-    finite = torch.stack([torch.isfinite(t).all() for q in model.parameters()
-                          if (t := local(q)) is not None]).all()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    bad = torch.zeros(world, dtype=torch.int32, device=finite.device)
-    bad[dist.get_rank() if world > 1 else 0] = ~finite
-    if world > 1:
-        dist.all_reduce(bad)
-    ranks = [r for r, b in enumerate(bad.tolist()) if b]  # one read of the GPU
-    if ranks:
-        where = f" on rank {', '.join(map(str, ranks))}" if world > 1 else ""
-        raise FloatingPointError(f"non-finite parameters{where} after optimizer step {step} "
-                                 "(fp32); stopped, the last good checkpoint stays in "
-                                 "checkpoints/")
-
-
-def _spent(p: Parts, state: Progress) -> dict[str, Any]:
-    """Cumulative all-reduce bytes (this rank's) and loop seconds: the x-axes, besides samples,
-    on which the sweep summary compares runs."""
-    return {"allreduce_bytes": p.counts.allreduce_bytes, "train_s": state.train_s}
-
-
-def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
-    p.engine.align_buffers()  # each rank scores its shard with the buffers that are saved
-    state.last_eval = p.evaluate()
-    log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
-    log.evals({"window": state.windows, "step": state.step, "samples": state.samples_seen,
-               **_spent(p, state), **state.last_eval})
-
-
-def check_replicas(model: torch.nn.Module, step: int) -> None:
-    """A cheap cross-rank checksum of every parameter (its sum and sum of squares in float64,
-    gathered from every rank): replicas that should be equal are bitwise equal, so any
-    difference names a parameter that drifted (trainer.check_replicas). Gathered on the
-    parameters' device (nccl serves no CPU tensor), read on the host once."""
-    named = list(model.named_parameters())
-    mine = torch.stack([torch.stack([q.detach().double().sum(), q.detach().double().square().sum()])
-                        for _, q in named])
-    world = dist.get_world_size()
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, on_device(mine, named[0][1].device))
-    every = list(torch.stack(every).cpu())
-    for rank in range(1, world):
-        differs = (every[rank] != every[0]).any(dim=1).nonzero()
-        if len(differs):
-            name = named[int(differs[0])][0]
-            raise RuntimeError(f"replicas differ after optimizer step {step}: parameter {name!r} "
-                               f"on rank {rank} is not rank 0's (trainer.check_replicas)")
-
-
 def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
     next window, skipping the samples already used) until done or until the ranks agree to
-    stop (p.stop.agreed)."""
-    tr = p.trainer
-    steps = StepLog(p, log, state)
-    stop = 0
+    stop (p.stop.agreed). The collectives of one step run in the order of the module's
+    docstring."""
+    tr, cbs = p.trainer, callbacks(p, log, state)
+    done: Done | None = None
     p.policy.start(p.engine.module, state.windows)
-    while not state.done(tr) and not stop:
-        epoch = state.epoch
-        shard = Shard(len(p.sampler.dataset), p.sampler.rank,  # type: ignore[arg-type]
-                      p.sampler.num_replicas)
+    while not state.done(tr) and not (done and done.stop):
+        epoch, sampler = state.epoch, p.sampler
+        shard = Shard(len(sampler.dataset), sampler.rank, sampler.num_replicas)  # type: ignore
         epoch_end = micro_batches(shard, p.micro_batch_size)
         batches = epoch_batches(p.loader, epoch, state.epoch_micro * p.micro_batch_size)
         end_of_epoch = False
@@ -381,66 +264,20 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             window = cut_window(shard, p.micro_batch_size, state.epoch_micro,
                                 p.schedule.accum_steps(epoch))
             t0 = time.perf_counter()
-            local_loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
-                                    p.device, p.normalizer, p.noise)
-            if p.noise is not None:
-                p.noise.end_window(state.windows + 1, window, p.normalizer,  # type: ignore[arg-type]
-                                   p.precision, p.engine.parameters())
-            factor = None
-            if isinstance(p.lr_scheduler, ScaledLR):
-                factor = p.lr_scheduler.before_step(window, p.noise)
-            lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.windows + 1) % tr.log_every == 0
-            stepped, norm = optimizer_step(p, want_norm=log_now)
+            loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
+                              p.device, p.normalizer, p.noise)
+            done = Done(window, epoch, loss, 0.0, (state.windows + 1) % tr.log_every == 0)
+            for cb in cbs.before_step:  # the noise scale's window, LR scaling
+                cb.before_step(p, state, done)
+            done.lr = p.optimizer.param_groups[0]["lr"]
+            done.stepped, done.norm = optimizer_step(p, want_norm=done.log_now)
             state.train_s += time.perf_counter() - t0
-            state.windows += 1
-            state.step += stepped
-            state.samples_seen += window.global_real
-            end_of_epoch = window.stop == epoch_end
-            state.epoch = epoch + end_of_epoch  # counts completed epochs
-            state.epoch_step = 0 if end_of_epoch else state.epoch_step + 1
-            state.epoch_micro = 0 if end_of_epoch else window.stop
-            if stepped:  # schedule=adaptive may choose the next window's size (collective)
-                p.schedule.after_step(state.step, p.noise)
-            finished = state.done(tr)
-            p.policy.after_window(p.engine.module, state.windows)
-            if finished:
-                p.policy.finish(p.engine.module)  # e.g. local SGD ends with an averaging
-            row = {"window": state.windows, "step": state.step, "epoch": epoch,
-                   "accum_steps": window.size, "samples": state.samples_seen, "lr": lr,
-                   "stepped": stepped}
-            if factor is not None:
-                row["lr_factor"] = factor
-            if p.policy.replica_drift is not None:
-                row["replica_drift"] = p.policy.replica_drift
-            trace = getattr(p.engine, "trace", None)
-            if trace is not None:  # this step's wait for all-reduces, overlap (trace_sync)
-                row |= {f"sync_{k}": v for k, v in trace.last.items()}
-                if p.policy.replica_drift is not None:
-                    trace.mark("models averaged", {"replica_drift": p.policy.replica_drift})
-            steps.add(row, local_loss)
-            if log_now:
-                steps.flush(state, norm)
-            for hook in p.after_window:
-                hook(p, state, stepped)
-            if (p.check_replicas and stepped and state.step % p.check_replicas == 0
-                    and p.policy.replicas_in_sync()):
-                check_replicas(p.engine.module, state.step)
-            if tr.eval_every and stepped and state.step % tr.eval_every == 0:
-                evaluate(p, state, log)
-            stop = p.stop.poll() if p.stop else 0
-            if stop or finished or (tr.checkpoint_every and stepped
-                                    and state.step % tr.checkpoint_every == 0):
-                steps.flush(state, None)  # a checkpoint covers every row up to its step
-                if p.check_finite:
-                    require_finite_parameters(p.engine.module, state.step)
-                p.engine.align_buffers()  # the saved buffers are the ones every rank holds
-                p.checkpoint(p, state)
-            if stop or finished:
+            end_of_epoch = state.advance(window, done.stepped, epoch_end)
+            done.finished = state.done(tr)
+            for cb in cbs.after_window:  # averaging, logging, checks, evaluation, stop, ckpt
+                cb.after_window(p, state, done)
+            if done.stop or done.finished:
                 break
-    steps.flush(state, None)
-    if p.stop:
-        p.stop.close()
-    if not stop and not (tr.eval_every and state.step and state.step % tr.eval_every == 0):
-        evaluate(p, state, log)
+    for cb in cbs.end:  # the last rows, the stop's collective in flight, the final evaluation
+        cb.end(p, state, done)
     return state

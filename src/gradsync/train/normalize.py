@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from gradsync.sync.policy import last_micro_batch
 from gradsync.train.schedules import Window
 
 
@@ -138,7 +139,7 @@ class ByTokens:
             # (and the fp16 scaler) near those of a per-token mean.
             self.constant = window.local_samples * self.tokens_per_sample
         self.tokens += counts.sum()
-        if index == window.size - 1:
+        if last_micro_batch(index, window.size):
             self.total = self.tokens.clone() if self.own else self.tokens
             if self.world_size > 1:
                 # launched before the last backward, which it overlaps
