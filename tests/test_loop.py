@@ -52,7 +52,7 @@ def test_the_default_experiment_trains_bitwise_what_it_trained_before(single_pro
 
 # --- the order of one step's collectives -----------------------------------------------------
 STEP = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_steps=4", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.log_every=2", "trainer.check_replicas=2",
         "trainer.eval_every=2", "trainer.checkpoint_every=2"]
@@ -64,8 +64,8 @@ ORDER_RUNS = {
                         "replica_check": 2, "evaluation": 2}),
     # the noise scale (its rows ride on the loss's all-reduce) and the adaptive schedule, which
     # flushes them when it chooses the next window's size
-    "adaptive": ([*(s for s in STEP if not s.startswith("schedule.")), "trainer.noise_scale=true",
-                  "schedule=adaptive", "schedule.every=2", "schedule.initial_accum_steps=2"],
+    "adaptive": ([*(s for s in STEP if not s.startswith("schedule.")), "noise_scale.enabled=true",
+                  "schedule=adaptive", "schedule.every_steps=2", "schedule.initial_accum_steps=2"],
                  {"schedule": 2, "loss": 2, "replica_check": 2, "evaluation": 2,
                   "checkpoint": 2}),
     # local SGD averaging every 2 windows: the averaging, the drift at the log point, the
@@ -110,13 +110,13 @@ def test_one_steps_collectives_run_in_the_documented_order(pool2, tmp_path, name
 
 # --- a policy of one's own on every engine ---------------------------------------------------
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "data.micro_batch_size=8", "model.hidden_sizes=[8]",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
         "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
         "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
 
 
 def with_policy(target: str, engine: str) -> dict:
-    cfg = plain_cfg([*TINY, f"trainer.engine={engine}"])
+    cfg = plain_cfg([*TINY, f"engine={engine}"])
     cfg["sync"] = {"_target_": target}
     return cfg
 
