@@ -29,7 +29,7 @@ train: install ## run the default experiment (digits, MLP, 2 workers, accumulate
 test: install ## run the whole test suite (unit + multi-process gloo tests + real jobs), what CI runs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install ## the edit loop: unit tests and 2-rank cases on the pool, no job started (-m "not slow")
+test-fast: install ## the edit loop: every test that starts no job process (-m "not slow"): units, exactness, 2-rank cases on the pool
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy

@@ -13,7 +13,7 @@ from dist_cases import train_run_rows
 from gradsync.config.validate import ConfigError, validate
 from gradsync.run.main import compose_plain
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 # 32 -> 64 -> 64 -> 8: matrices PowerSGD compresses at rank 4 (biases go uncompressed)
 BASE = ["data=synthetic", "data.num_samples=512", "data.in_dim=32", "data.out_dim=8",

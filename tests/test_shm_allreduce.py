@@ -15,7 +15,7 @@ from gradsync.config.validate import ConfigError, validate
 from gradsync.run.main import compose_plain
 from gradsync.run.placement import Placement
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 
 @pytest.mark.parametrize("wire", [None, "bf16", "fp16"])
@@ -88,6 +88,7 @@ def test_allreduce_mode_is_checked_before_any_worker_starts():
     validate(compose_plain(["trainer.allreduce=shared_memory"]))
 
 
+@pytest.mark.slow  # a pool of three ranks of its own: three interpreters start
 def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():
     """More than two slots: every rank sums all three in rank order (gloo's ring sums in
     another order, so the check is against the mean, and replicas are bitwise equal)."""
