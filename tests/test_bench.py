@@ -12,12 +12,13 @@ import pytest
 
 from conftest import REPO, cli_environ
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.dist]
 
 VARIANTS = "handwritten,nocomm,gradsync accumulate"
 GRAD_MB = 3_149_312 * 4 / 2**20  # the bench MLP's gradients, fp32
 
 
+@pytest.mark.slow
 def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--rounds", "1", "--n", "8",
