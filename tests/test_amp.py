@@ -21,7 +21,7 @@ from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
 from gradsync.train.precision import autocast_runs
 from test_config import compose_plain
-from test_ddp_sync import synthetic_cfg
+from test_torch_ddp import synthetic_cfg
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: rounding errs by at most 2^-8
 

@@ -27,7 +27,7 @@ from gradsync.train import checkpoint
 from gradsync.train.normalize import resolve
 from gradsync.train.schedules import build_schedule
 from test_config import compose_plain
-from test_ddp_sync import run_overrides
+from test_torch_ddp import run_overrides
 
 LM_DATA = {"_target_": "gradsync.data.synthetic_lm", "micro_batch_size": 8, "num_samples": 512,
            "eval_samples": 50, "vocab_size": 32, "min_len": 4, "max_len": 64, "max_stride": 4,

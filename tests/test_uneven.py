@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import dist_cases
 from gradsync.components import build
-from test_ddp_sync import synthetic_cfg
 from test_lm import lm_cfg
+from test_torch_ddp import synthetic_cfg
 
 pytestmark = [pytest.mark.dist]
 
