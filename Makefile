@@ -58,7 +58,7 @@ race: install ## which policy wins: 6 sync policies on the stdlib corpus (experi
 TORCH ?=
 COMPAT_VENV := .venv-torch-$(TORCH)
 COMPAT_TESTS ?= tests/test_torch_ddp.py tests/test_uneven.py tests/test_resume.py \
-	tests/test_local_sgd.py tests/test_layer_sync.py tests/test_powersgd.py tests/test_amp.py \
+	tests/test_local_sgd.py tests/test_layer_sync.py tests/test_powersgd.py tests/test_precision.py \
 	tests/test_checkpoint.py tests/test_units.py tests/test_torch_compat.py tests/test_gradsync_ddp.py
 compat: ## another torch: make compat TORCH=2.11.0 (venv .venv-torch-2.11.0; exactness and resume tests)
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=<version>, e.g. TORCH=2.11.0" >&2; exit 2; }
