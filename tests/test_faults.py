@@ -167,9 +167,11 @@ def _report_then_hang(rank: int, writer) -> None:
     time.sleep(600)  # rank 0: waits, as in a collective its failed peer never joins
 
 
-def test_a_rank_that_reported_its_error_but_never_exits_is_killed_after_the_grace_period():
+def test_a_rank_that_reported_its_error_but_never_exits_is_killed_after_the_grace_period(
+        monkeypatch):
     """The launcher counts a failure from a rank's report, not only from its exit: the job ends
     GRACE_S after the report, naming the rank and its error, with every rank killed."""
+    monkeypatch.setattr(launch, "GRACE_S", 1.0)  # read at each check: 1 s, not 5, of waiting
     ctx = multiprocessing.get_context("fork")
     watch = launch.Watch(timeout_s=300)
     for rank in range(2):
