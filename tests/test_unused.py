@@ -82,8 +82,8 @@ def test_fsdp_reduces_what_the_window_accumulated(tmp_path, cli_env):
     synchronising second): FSDP reduce-scatters what accumulated, so it trains; torch's DDP
     reduces what the synchronising backward produced, so torch_ddp stops."""
     fsdp = job(tmp_path / "fsdp", cli_env, "trainer.engine=fsdp", "schedule.accum_steps=2")
-    ddp = job(tmp_path / "ddp", cli_env, "schedule.accum_steps=2")  # both at once
     code, _, err = fsdp.finish()
     assert code == 0, err
+    ddp = job(tmp_path / "ddp", cli_env, "schedule.accum_steps=2")
     code, _, err = ddp.finish()
     assert code == 1 and "UnusedParameters: rank" in err.strip().splitlines()[-1], err
