@@ -29,7 +29,7 @@ train: install ## run the default experiment (digits, MLP, 2 workers, accumulate
 test: install ## run the whole test suite (unit + multi-process gloo tests + real jobs), what CI runs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install ## the edit loop: unit tests and 2-rank cases on the pool, no job started (-m "not slow")
+test-fast: install ## the edit loop: every test that starts no job process (-m "not slow"): units, exactness, 2-rank cases on the pool
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install ## ruff, mypy and import-linter (the layers: docs/architecture.md#layers)
@@ -58,9 +58,9 @@ race: install ## which policy wins: 6 sync policies on the stdlib corpus (experi
 # GB; a set-up venv reinstalls nothing.
 TORCH ?=
 COMPAT_VENV := .venv-torch-$(TORCH)
-COMPAT_TESTS ?= tests/test_ddp_sync.py tests/test_uneven.py tests/test_resume.py \
-	tests/test_local_sgd.py tests/test_layer_sync.py tests/test_powersgd.py tests/test_amp.py \
-	tests/test_checkpoint.py tests/test_units.py tests/test_compat.py tests/test_gradsync_engine.py
+COMPAT_TESTS ?= tests/test_torch_ddp.py tests/test_uneven.py tests/test_resume.py \
+	tests/test_local_sgd.py tests/test_layer_sync.py tests/test_powersgd.py tests/test_precision.py \
+	tests/test_checkpoint.py tests/test_units.py tests/test_torch_compat.py tests/test_gradsync_ddp.py
 compat: ## another torch: make compat TORCH=2.11.0 (venv .venv-torch-2.11.0; exactness and resume tests)
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=<version>, e.g. TORCH=2.11.0" >&2; exit 2; }
 	@test -f $(COMPAT_VENV)/.installed || { \

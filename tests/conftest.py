@@ -25,7 +25,11 @@ class _Pool:
 
     def run(self, fn, *args, **kw):
         if self.pool is None:
-            self.pool = DistPool(2)
+            _current["pool"] = True  # its ranks are no job processes (conftest's guard)
+            try:
+                self.pool = DistPool(2)
+            finally:
+                _current["pool"] = False
         try:
             return self.pool.run(fn, *args, **kw)
         except Exception:
@@ -68,23 +72,84 @@ def no_job_outlives_its_test():
         jobs.kill_started_jobs()
 
 
-@pytest.fixture(autouse=True)
-def new_interpreters_are_slow(request, monkeypatch):
-    """make test-fast (-m "not slow") stays fast: a test that starts a Python process (a job,
-    torchrun, a script) or make pays seconds of imports, and must be marked slow."""
-    if request.node.get_closest_marker("slow") is not None:
-        return
-    init = subprocess.Popen.__init__
+# "slow" means exactly "starts a job process": a Python interpreter (a job, torchrun, a script, a
+# rank of a pool of its own) or make, each paying seconds of imports. The ranks of the
+# session's pool (pool2) are not: a 2-rank case on the pool is not slow. Both directions are
+# held here: a test not marked slow that starts one fails where it starts it (make test-fast
+# stays fast), and a test marked slow that starts none, itself or through a fixture, fails
+# after its call (the mark then buys nothing but a place outside make test-fast).
+JOB_PROGRAMS = ("python", "gradsync-train", "torchrun", "make")
+_starts: list[str] = []  # every job process started in this session, by what started it
+_current: dict = {"item": None, "pool": False}  # the test running; the session pool starting
+_starter_fixtures: set[str] = set()  # fixtures whose set-up started a job process
 
-    def refuse_interpreters(self, args, *rest, **kw):
+
+def _started(program: str) -> None:
+    item = _current["item"]
+    if item is None or _current["pool"]:
+        return
+    if item.get_closest_marker("slow") is None:
+        raise AssertionError(f"{item.nodeid} starts {program}: mark it @pytest.mark.slow "
+                             "(make test-fast leaves it out)")
+    _starts.append(f"{item.nodeid}: {program}")
+
+
+def _watch_job_processes() -> None:
+    import multiprocessing.util
+
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self, args, *rest, **kw):
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
         program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
-        if program.startswith(("python", "gradsync-train", "torchrun", "make")):
-            raise AssertionError(f"{request.node.nodeid} starts {program}: mark it "
-                                 "@pytest.mark.slow (make test-fast leaves it out)")
-        init(self, args, *rest, **kw)
+        if program.startswith(JOB_PROGRAMS):
+            _started(program)
+        popen_init(self, args, *rest, **kw)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_interpreters)
+    spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+    def spawn(path, args, passfds):  # multiprocessing's spawn and forkserver start methods
+        if not any("resource_tracker" in os.fsdecode(a) for a in args):  # stdlib only, no torch
+            _started(f"{os.path.basename(os.fsdecode(path))} (multiprocessing)")
+        return spawnv_passfds(path, args, passfds)
+
+    subprocess.Popen.__init__ = popen  # type: ignore[method-assign]
+    multiprocessing.util.spawnv_passfds = spawn
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current["item"] = item
+    item.stash[_STARTS_BEFORE] = len(_starts)
+    yield
+    _current["item"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = len(_starts)
+    yield
+    if len(_starts) > before:
+        _starter_fixtures.add(fixturedef.argname)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or item.get_closest_marker("slow") is None:
+        return
+    if len(_starts) > item.stash[_STARTS_BEFORE]:
+        return
+    if _starter_fixtures.intersection(getattr(item, "fixturenames", ())):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} is marked slow but starts no job process (a Python "
+                       "interpreter or make), itself or through a fixture: drop the mark (a "
+                       "2-rank case on the pool is not slow)")
+
+
+_STARTS_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")
@@ -124,6 +189,7 @@ def cli_env_module():
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    _watch_job_processes()
     # what the entry point registers before composing: the tests that compose with Hydra's API
     # directly (test_sweep, test_race, test_cluster) must not rely on a test run before them
     from gradsync.config.hydra import register_configs

@@ -1,4 +1,4 @@
-"""Functions the engine tests (test_gradsync_engine.py) run on every rank of the pool: both
+"""Functions the engine tests (test_gradsync_ddp.py) run on every rank of the pool: both
 engines built by their real builders, on real gloo process groups."""
 
 from __future__ import annotations

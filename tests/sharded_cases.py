@@ -1,4 +1,4 @@
-"""Functions the sharded-engine tests (test_sharded.py) run on every rank of the pool
+"""Functions the sharded-engine tests (test_fsdp.py) run on every rank of the pool
 (dist_pool.py): the worker's real run_training on the pool's gloo group with
 engine=fsdp|hsdp, and what they read back (summary, consolidated model, TensorBoard)."""
 

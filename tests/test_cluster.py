@@ -211,45 +211,18 @@ def test_torchrun_failures_are_one_line_and_a_restart_gets_a_fresh_dir(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_plain_srun_tasks_form_one_job_that_trains_like_two_spawned_workers(
+def test_srun_tasks_form_one_job_and_two_concurrent_steps_of_it_both_train(
         tmp_path, cli_env, basic_sweep):
     """`srun --ntasks=2 gradsync-train ...` without SLURM: two processes with the variables
     srun gives its tasks. Each becomes one rank (no spawning), they meet at the first host of
     the nodelist, agree on one run dir named after the job, and train bitwise what
-    trainer.devices=2 trains. Under `taskset -c 0,1` each of the 2 ranks runs 1 thread."""
-    job = job_with_free_ports(steps=1)
-    slurm_env = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
-                 "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost"}
-    job_args = [*JOB, "trainer.threads_per_worker=0"]  # from the CPUs each task may use
-    procs = [start(["taskset", "-c", "0,1", sys.executable, *TRAIN, *job_args], tmp_path,
-                   cli_env | slurm_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
-             for r in (0, 1)]
-    done = [finish(p) for p in procs]
-    for d in done:
-        assert d.returncode == 0, d.stderr
-    assert list((tmp_path / "outputs" / "runs").iterdir()) == [
-        tmp_path / "outputs" / "runs" / f"slurm-{job}"]
-    run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}"
-    assert sum(d.stdout.count("gradsync: outputs in") for d in done) == 1
-    assert files_under(run_dir) == files_under(basic_sweep / "0")
-    for rank in (0, 1):  # one rank per task, each up once: nothing spawned
-        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
-        assert log.count(f"rank {rank}/2 up: backend=gloo device=cpu threads=1") == 1
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["threads"] == [1, 1] and summary["world_size"] == 2
-    assert summary["device"] == (platform.processor() or platform.machine() or "cpu")
-    assert summary["peak_gpu_mem_mb"] is None
-    assert_same_training(run_dir, basic_sweep / "0")
+    trainer.devices=2 trains. Under `taskset -c 0,1` each of the 2 ranks runs 1 thread.
 
-
-@pytest.mark.slow
-@pytest.mark.dist
-def test_two_concurrent_srun_steps_of_one_job_on_one_node_both_train(
-        tmp_path, cli_env, basic_sweep):
-    """Two `srun --ntasks=2` steps of one allocation at once on one node (each with its own
-    hydra.run.dir, as the docs ask): each step's tasks derive their own master port from the
-    job and step ids. With one port per job, the second step's rank 0 could not listen, or
-    its tasks joined the first step's store."""
+    Two such steps of one allocation at once on one node (step 0 in the default run dir, step
+    1 in a hydra.run.dir of its own, as the docs ask): each step's tasks derive their own
+    master port from the job and step ids. With one port per job, the second step's rank 0
+    could not listen, or its tasks joined the first step's store. (One test: the two steps
+    are the two plain jobs, 4 processes started once.)"""
     job = job_with_free_ports(steps=2)
     procs = {}
     for step in (0, 1):
@@ -257,18 +230,34 @@ def test_two_concurrent_srun_steps_of_one_job_on_one_node_both_train(
                     "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
                     "SLURM_JOB_NODELIST": "localhost"}
         for r in (0, 1):
-            procs[step, r] = start(
-                [sys.executable, *TRAIN, *JOB, f"hydra.run.dir={tmp_path / f'step{step}'}"],
-                tmp_path, cli_env | step_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
+            task_env = cli_env | step_env | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}
+            if step == 0:  # the plain job: threads from the CPUs each task may use
+                cmd = ["taskset", "-c", "0,1", sys.executable, *TRAIN, *JOB,
+                       "trainer.threads_per_worker=0"]
+            else:
+                cmd = [sys.executable, *TRAIN, *JOB, f"hydra.run.dir={tmp_path / 'step1'}"]
+            procs[step, r] = start(cmd, tmp_path, task_env)
     done = {key: finish(p) for key, p in procs.items()}
     for key, d in done.items():
         assert d.returncode == 0, (key, d.stderr)
+    assert list((tmp_path / "outputs" / "runs").iterdir()) == [
+        tmp_path / "outputs" / "runs" / f"slurm-{job}"]
+    run_dirs = [tmp_path / "outputs" / "runs" / f"slurm-{job}", tmp_path / "step1"]
     for step in (0, 1):
-        run_dir = tmp_path / f"step{step}"
+        assert sum(done[step, r].stdout.count("gradsync: outputs in") for r in (0, 1)) == 1
         for rank in (0, 1):  # one rank per task, each up once: nothing spawned
-            log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+            log = (run_dirs[step] / "logs" / f"rank{rank}.log").read_text()
             assert log.count(f"rank {rank}/2 up: backend=gloo") == 1
-        assert_same_training(run_dir, basic_sweep / "0")
+        assert_same_training(run_dirs[step], basic_sweep / "0")
+    run_dir = run_dirs[0]
+    assert files_under(run_dir) == files_under(basic_sweep / "0")
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert log.count(f"rank {rank}/2 up: backend=gloo device=cpu threads=1") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["threads"] == [1, 1] and summary["world_size"] == 2
+    assert summary["device"] == (platform.processor() or platform.machine() or "cpu")
+    assert summary["peak_gpu_mem_mb"] is None
     assert slurm.port_for(job, "0") != slurm.port_for(job, "1")
 
 

@@ -88,7 +88,6 @@ def test_data_is_built_from_the_seed_alone():
     assert not torch.equal(other.train.tensors[0], checked.train.tensors[0])
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2, tmp_path):
     """The widely copied no_sync() mistake: each rank would step on its own gradients."""
@@ -111,7 +110,6 @@ def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2
                             "the gradients accumulated after it were never all-reduced"), m
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("data,expected", [
     ("components_for_tests.digits_with_mean_loss",
@@ -135,7 +133,6 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     assert not (tmp_path / "checkpoints").exists()  # no step was taken
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_check_replicas_names_the_parameter_that_drifted(pool2, tmp_path):
     cfg = with_policy("components_for_tests.CorruptRank1After", ["trainer.check_replicas=1"],

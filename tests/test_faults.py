@@ -27,7 +27,7 @@ from configs import EXACT_RESUME, LONG_JOB
 from gradsync.run import faults, launch, rundir, summary
 from gradsync.train import checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.dist]
 
 
 def long_job(run_dir: Path, *args: str, env: dict, **kw) -> Job:
@@ -84,6 +84,7 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raises", "killed", "hung"])
 def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env, how):
     """raises: rank 1 raises while a stranger, connected to the job's store, has written a
@@ -136,6 +137,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     assert list(tmp.glob("pytorch-errorfile-*")) == []  # no tracebacks left in $TMPDIR
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_what_is_no_exception_is_reported_with_its_message(tmp_path,
                                                                              cli_env):
     """torch's CheckpointException, like any BaseException that is no Exception, escapes an
@@ -165,9 +167,11 @@ def _report_then_hang(rank: int, writer) -> None:
     time.sleep(600)  # rank 0: waits, as in a collective its failed peer never joins
 
 
-def test_a_rank_that_reported_its_error_but_never_exits_is_killed_after_the_grace_period():
+def test_a_rank_that_reported_its_error_but_never_exits_is_killed_after_the_grace_period(
+        monkeypatch):
     """The launcher counts a failure from a rank's report, not only from its exit: the job ends
     GRACE_S after the report, naming the rank and its error, with every rank killed."""
+    monkeypatch.setattr(launch, "GRACE_S", 1.0)  # read at each check: 1 s, not 5, of waiting
     ctx = multiprocessing.get_context("fork")
     watch = launch.Watch(timeout_s=300)
     for rank in range(2):
@@ -195,6 +199,7 @@ def files(run_dir: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
+@pytest.mark.slow
 def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
         tmp_path, cli_env):
     """A job (umask 077, a run dir with a space) holds its run dir: a second job there is
@@ -267,6 +272,7 @@ def test_the_printed_resume_command_gives_hydra_the_run_dir_back(tmp_path, capsy
     assert OmegaConf.create({"dir": override.value()})["dir"] == str(run_dir), argv[2]
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_reported_as_itself_and_leaves_no_temporary_file(tmp_path, cli_env):
     """RLIMIT_FSIZE fails a write past 8000 bytes (EFBIG) as a full disk fails it (ENOSPC):
     the first checkpoint is larger. Then a file the launcher writes is not writable."""
@@ -357,6 +363,7 @@ def _shm_names() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("gradsync-*")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, stage", [("fork", "spawned"), ("spawn", "spawned"),
                                            ("fork", "training")])
 def test_a_killed_launcher_leaves_nothing_and_its_run_dir_is_taken_only_once_all_is_gone(

@@ -19,7 +19,8 @@ import torch
 import gpu_cases
 from dist_pool import DistPool
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+# every test here starts a job process or a pool of its own (gpu_pool2): slow (conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="CUDA absent: GPU tests run only where torch sees a GPU (make gpu-check)")]
 
@@ -134,7 +135,6 @@ def test_more_ranks_than_gpus_is_a_one_line_config_error(tmp_path, cli_env):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("srun", [False, True])
 def test_two_ranks_on_one_gpu_stop_in_one_line_not_in_nccl(tmp_path, cli_env, srun):
     """Issue 32 fault 2 on a GPU: two env:// ranks that see only the first GPU. torchrun's

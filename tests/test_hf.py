@@ -62,7 +62,6 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch_ddp", "gradsync", "fsdp"])
 def test_two_ranks_train_the_model_one_process_trains(one_process, runs, engine):
     ref_summary, ref = one_process
@@ -79,7 +78,6 @@ def test_two_ranks_train_the_model_one_process_trains(one_process, runs, engine)
     assert last < first - 0.5, (first, last)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch_ddp", "gradsync", "fsdp"])
 def test_the_tied_embedding_stays_one_parameter(runs, engine):
     """Input embedding and output head get different gradients: untied, they would part after
@@ -88,7 +86,6 @@ def test_the_tied_embedding_stays_one_parameter(runs, engine):
     assert torch.equal(params[EMBED], params[HEAD])
 
 
-@pytest.mark.slow
 def test_gradsync_trains_the_bits_torch_ddp_trains(runs):
     theirs, ours = runs("torch_ddp"), runs("gradsync")
     assert losses(ours["rows"]) == losses(theirs["rows"])

@@ -29,7 +29,7 @@ from gradsync.train import checkpoint
 from gradsync.train.normalize import resolve
 from gradsync.train.schedules import build_schedule
 from test_config import compose_plain
-from test_ddp_sync import run_overrides
+from test_torch_ddp import run_overrides
 
 LM_DATA = {"_target_": "gradsync.data.synthetic_lm", "num_samples": 512,
            "eval_samples": 50, "vocab_size": 32, "min_len": 4, "max_len": 64, "max_stride": 4,
@@ -141,7 +141,6 @@ def reference_window(objective: str):
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.parametrize("normalize,precision,tol", [
     ("tokens", "fp32", 1e-5), ("tokens", "fp16", 5e-3), ("samples", "fp32", 1e-5),
     ("micro_batch_mean", "fp32", 1e-5)])
@@ -195,7 +194,6 @@ def direct_reference(single_process_group, tmp_path_factory):
     return train_here(lm_cfg(1, 16, 1, "micro_batch_mean"), tmp_path_factory.mktemp("direct"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_deferred_rescale_equals_dividing_by_the_token_count(
         single_process_group, direct_reference, tmp_path, clip):
@@ -212,7 +210,6 @@ def test_deferred_rescale_equals_dividing_by_the_token_count(
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.parametrize("micro,accum", [(2, 4), (4, 2)])
 def test_token_normalised_factorisations_train_the_same_model(
         pool2, direct_reference, tmp_path, micro, accum):
@@ -231,7 +228,6 @@ def test_token_normalised_factorisations_train_the_same_model(
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 def test_per_micro_batch_means_train_another_model(pool2, direct_reference, tmp_path):
     _, ref_params = direct_reference
     r0, _ = pool2.run(dist_cases.train_run, lm_cfg(2, 2, 4, "micro_batch_mean"), str(tmp_path))
@@ -252,7 +248,6 @@ def bigram_accuracy(data) -> float:
     return hits / sum(len(s) - 1 for s in data.eval)
 
 
-@pytest.mark.slow
 def test_the_transformer_learns_the_rule_beyond_a_bigram_model(single_process_group, tmp_path):
     cfg = lm_cfg(1, 32, 1, "tokens")
     cfg["data"].update(num_samples=2048, eval_samples=128, vocab_size=32, min_len=4, max_len=32,

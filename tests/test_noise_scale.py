@@ -210,7 +210,6 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
     assert s["grad_norm_sq"] == rows[-1]["grad_norm_sq"]
 
 
-@pytest.mark.slow
 def test_an_adaptive_adascale_run_resumes_bitwise(pool2, adaptive_run, tmp_path):
     """From a checkpoint inside an epoch, after N changed: the same windows, window sizes, LRs,
     gains, noise-scale estimates and parameters, bit for bit."""

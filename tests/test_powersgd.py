@@ -14,7 +14,7 @@ from gradsync.config.validate import ConfigError
 from gradsync.run.main import compose_plain
 from gradsync.run.preflight import preflight
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 # 32 -> 64 -> 64 -> 8: matrices PowerSGD compresses at rank 4 (biases go uncompressed)
 BASE = ["data=synthetic", "data.num_samples=512", "data.in_dim=32", "data.out_dim=8",

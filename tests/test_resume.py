@@ -124,15 +124,14 @@ def layer_killed_between_averagings(state: dict, ref: Reference) -> None:
     assert not torch.equal(own[0], own[1])  # each rank's replica is kept
 
 
-SLOW = [pytest.mark.slow]
+SLOW = [pytest.mark.slow]  # the cases that start a job (the others run on the pool)
 CASES = [
-    *[pytest.param(Case(f"{p} checkpoint {step}", EXACT_RUNS[p], from_checkpoint(step)),
-                   marks=[] if (p, step) == ("fp32", 6) else SLOW)
+    *[pytest.param(Case(f"{p} checkpoint {step}", EXACT_RUNS[p], from_checkpoint(step)))
       # checkpoints inside an epoch, before its partial last window, at an epoch boundary
       for p in PRECISIONS for step in (4, 6, 10)],
     *[pytest.param(Case(f"{p} rows past the checkpoint", EXACT_RUNS[p],
-                        rows_past_the_checkpoint(8, 15)), marks=SLOW) for p in PRECISIONS],
-    *[pytest.param(Case(f"{p} rank 0 dir only", EXACT_RUNS[p], rank0_dir_only), marks=SLOW)
+                        rows_past_the_checkpoint(8, 15))) for p in PRECISIONS],
+    *[pytest.param(Case(f"{p} rank 0 dir only", EXACT_RUNS[p], rank0_dir_only))
       for p in PRECISIONS],
     pytest.param(Case("diloco checkpoint between averagings", DILOCO_EVERY_3,
                       from_checkpoint(4), diloco_between_averagings)),
@@ -154,7 +153,6 @@ def test_a_stopped_run_resumes_bitwise_like_the_uninterrupted_run(case, referenc
 
 
 # --- the same bits twice; what a resume refuses; a run that diverges ---------------------------
-@pytest.mark.slow
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_the_same_config_twice_gives_the_same_bits(references, pool2, tmp_path, precision):
     first = references.get(EXACT_RUNS[precision])
@@ -192,7 +190,6 @@ def test_an_incompatible_resume_is_refused_and_the_run_left_untouched(
     assert snapshot() == before
 
 
-@pytest.mark.slow
 def test_a_non_finite_fp32_loss_stops_the_run_naming_the_step(pool2, tmp_path):
     """SGD with a huge learning rate: the loss overflows within a few steps; both ranks stop
     with the same error, and only checkpoints from before it remain."""

@@ -16,7 +16,7 @@ from gradsync.run.main import compose_plain
 from gradsync.run.placement import Placement
 from gradsync.run.preflight import preflight
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 
 @pytest.mark.parametrize("wire", [None, "bf16", "fp16"])
@@ -89,6 +89,7 @@ def test_allreduce_mode_is_checked_before_any_worker_starts():
     preflight(compose_plain(["engine.allreduce=shared_memory"]))
 
 
+@pytest.mark.slow  # a pool of three ranks of its own: three interpreters start
 def test_three_ranks_sum_every_slot_and_stay_bitwise_replicas():
     """More than two slots: every rank sums all three in rank order (gloo's ring sums in
     another order, so the check is against the mean, and replicas are bitwise equal)."""

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import dist_cases
 from gradsync.components import build
-from test_ddp_sync import synthetic_cfg
 from test_lm import lm_cfg
+from test_torch_ddp import synthetic_cfg
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 # kind -> (samples, global batch, 1-rank (micro, N), 2-rank (micro, N), micro-batches per rank
 # and epoch on 2 ranks). synthetic: 2 ranks x 51 positions (the last is rank 1's repeat) in

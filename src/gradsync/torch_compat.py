@@ -12,7 +12,7 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   ``dist._broadcast_coalesced``, and autograd's ``Variable._execution_engine.queue_callback``
   (the end of a backward, as DDP's reducer): the same signatures in 2.11 and 2.13, and DDP's
   bucket rules (one bucket before the first synchronising backward unless
-  find_unused_parameters) are the same in both (tests/test_gradsync_engine.py compares the
+  find_unused_parameters) are the same in both (tests/test_gradsync_ddp.py compares the
   partitions, run by ``make compat`` too).
 - FSDP2 keeps a unit's parameter groups as a list ``_fsdp_param_groups`` from 2.13 (per-parameter
   meshes), one ``_fsdp_param_group`` (or None) before: the gradient memory count reads them

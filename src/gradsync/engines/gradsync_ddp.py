@@ -2,7 +2,7 @@
 
 What torch's ``DistributedDataParallel`` does in its C++ reducer, written out so that it can be
 read in one sitting, traced (engine.trace_sync) and extended: with the same bucket partition
-and the same all-reduce it trains the same bits as torch_ddp (tests/test_gradsync_engine.py).
+and the same all-reduce it trains the same bits as torch_ddp (tests/test_gradsync_ddp.py).
 Its life, each step below commented once where the code does it:
 
 1. **Start**: rank 0's parameters and buffers are broadcast, so every replica starts alike;

@@ -60,7 +60,6 @@ def runs(pool2, tmp_path_factory):
     return get
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_compiled_model_trains_what_the_eager_model_trains(runs, case):
     eager, compiled = runs(case, False)[0], runs(case, True)[0]
@@ -76,7 +75,6 @@ def test_a_compiled_model_trains_what_the_eager_model_trains(runs, case):
     assert "compile" not in e
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_graphs_dynamo_built_and_its_seconds_are_counted_apart(runs, case):
     out = runs(case, True)[0]

@@ -22,7 +22,7 @@ from gradsync.run.preflight import preflight
 from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
 from test_config import compose_plain
-from test_ddp_sync import synthetic_cfg
+from test_torch_ddp import synthetic_cfg
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: rounding errs by at most 2^-8
 
@@ -120,7 +120,6 @@ def test_amp_aware_syncs_like_accumulate_and_checks_overflows_only_with_the_scal
 
 
 # --- real 2-process runs ---------------------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.dist
 def test_an_overflow_on_one_rank_aborts_the_window_on_every_rank(pool2):
     init_scale = 1024.0
@@ -155,7 +154,6 @@ def test_an_overflow_on_one_rank_aborts_the_window_on_every_rank(pool2):
         assert a["allreduce_bytes"] * 2 == b["allreduce_bytes"]
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_an_overflow_of_the_fp16_all_reduce_is_caught_by_the_scaler(pool2):
     for r in pool2.run(amp_cases.overflow_in_the_all_reduce, "fp16"):
@@ -167,7 +165,6 @@ def test_an_overflow_of_the_fp16_all_reduce_is_caught_by_the_scaler(pool2):
         assert r["stepped"] and r["moved"] > 0 and r["scale_after"] == r["scale_before"]
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("init_scale", [2.0**22, 2.0**40])
 def test_injected_overflows_abort_windows_and_train_exactly_like_accumulate(pool2, init_scale):
@@ -196,7 +193,6 @@ def test_injected_overflows_abort_windows_and_train_exactly_like_accumulate(pool
         assert max_diff(amp[0]["params"], amp[0]["initial"]) > 1e-2
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_skipped_steps_and_scale_are_logged(pool2, tmp_path):
     cfg = with_amp(synthetic_cfg(2, 4, 4), "fp16", init_scale=2.0**22)
@@ -232,7 +228,6 @@ def bf16_single_process(single_process_group):
     return amp_cases.train_all_ranks(with_amp(synthetic_cfg(1, 32, 1), "bf16"))
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("micro,accum", [(4, 4), (8, 2)])
 def test_factorisation_invariance_holds_for_amp_aware_under_bf16(
@@ -253,7 +248,6 @@ def test_factorisation_invariance_holds_for_amp_aware_under_bf16(
     assert max_diff(r0["params"], ref["params"]) <= BF16_UNIT_ROUNDOFF * moved
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_bf16_and_fp16_all_reduces_move_exactly_half_the_bytes(pool2):
     base = synthetic_cfg(2, 4, 4)
@@ -271,7 +265,6 @@ def test_bf16_and_fp16_all_reduces_move_exactly_half_the_bytes(pool2):
     assert 0 < diff <= BF16_UNIT_ROUNDOFF * max_diff(fp32[0]["params"], fp32[0]["initial"])
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_fp16_clips_the_unscaled_gradients(pool2):
     """trainer.clip_grad_norm=0.3 halves how far the synthetic run moves, so it clips most
@@ -289,7 +282,6 @@ def test_fp16_clips_the_unscaled_gradients(pool2):
     assert max_diff(fp16["params"], fp32["params"]) <= 2.0**-11 * moved
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 def test_default_experiment_in_bf16_and_fp16_ends_close_to_fp32(pool2, tmp_path):
     """The default experiment (digits, MLP, accumulate N=4) cut to 5 epochs (60 steps), in

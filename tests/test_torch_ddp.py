@@ -12,7 +12,7 @@ from gradsync.data.contract import mse_per_sample
 from gradsync.models import MLP
 from gradsync.run.worker import run_training
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist]
 
 MICRO = [3, 3, 2]  # one window of three micro-batches, the last one short
 

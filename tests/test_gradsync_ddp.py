@@ -143,7 +143,6 @@ def runs(pool2, tmp_path_factory):
     return run
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_the_bits_torch_ddp_trains(runs, case):
     theirs, ours = runs(case, "torch_ddp")[0], runs(case, "gradsync")[0]
@@ -156,7 +155,6 @@ def test_trains_the_bits_torch_ddp_trains(runs, case):
         assert torch.equal(ours["params"][name], value), name
 
 
-@pytest.mark.slow
 def test_another_partition_trains_the_same_model(runs):
     """One bucket (the default 25 MB cap) against torch's three: fewer all-reduces of the same
     bytes, the same model up to float rounding (on 2 ranks each element's mean is computed
@@ -183,7 +181,6 @@ def test_a_per_bucket_policy_needs_the_gradsync_engine():
         preflight(cfg)
 
 
-@pytest.mark.slow
 def test_a_bucket_kept_local_accumulates_into_the_next_synchronisation(runs, pool2, tmp_path):
     """`always`, but the last layer's bucket synchronises only at each window's end: the same
     training up to rounding, its bytes saved in every other backward, and the trace shows each
@@ -206,7 +203,6 @@ def test_a_bucket_kept_local_accumulates_into_the_next_synchronisation(runs, poo
 
 
 # --- the trace ----------------------------------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["gradsync", "torch_ddp"])
 def test_the_trace_records_every_bucket_of_every_step(pool2, tmp_path, engine):
     """amp_aware's bf16 wire: per rank and step, the micro-batches, each bucket's parameters,
@@ -290,7 +286,6 @@ def examples(monkeypatch):
     return cfg
 
 
-@pytest.mark.slow
 def test_the_mistakes_of_the_debugging_page(examples, pool2, tmp_path):
     never = examples(sync={"_target_": "mistakes.policies.NeverSync"})
     first = examples(sync={"_target_": "mistakes.policies.SyncsFirst"})

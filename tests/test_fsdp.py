@@ -112,7 +112,6 @@ EXACT = {  # name -> (reference, overrides)
 REFERENCES = {"ddp always": [*MLP, *ALWAYS], "ddp accumulate": MLP, "lm ddp": LM}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXACT))
 def test_sharded_engines_train_what_torch_ddp_trains_up_to_rounding(runs, name):
     ref_name, overrides = EXACT[name]
@@ -177,7 +176,6 @@ def test_hsdp_counts_the_all_reduces_across_replicas(runs):
         assert s[key] == f[key], key
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 0])
 def test_hsdp_with_one_replica_is_fsdp_on_a_1d_mesh(pool2, runs, tmp_path, replicas):
     """Issue 32 fault 1: engine.replicas=1 (or 0: one per host, the pool's one host) built the
@@ -350,7 +348,6 @@ def test_kill_9_then_resume_auto_ends_bitwise_like_the_uninterrupted_run(runs, p
         assert torch.equal(resumed["params"][name], value), name
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_process_group,
                                                             tmp_path):
     """torch.distributed.checkpoint reshards: 2 ranks' step-4 checkpoint continues on 1 rank,
@@ -532,7 +529,6 @@ def test_a_planted_pickle_in_a_sharded_checkpoint_runs_nothing(runs, tmp_path, c
     assert _files(ckpts) == before
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["metadata", "value"])
 def test_the_ranks_read_a_checkpoint_restricted_too(runs, pool2, tmp_path, kind):
     """The job checked an intact checkpoint; a payload swapped in after that, before the ranks
