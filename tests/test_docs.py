@@ -1,0 +1,105 @@
+"""The docs hold together: every relative markdown link in README.md and docs/*.md points at a
+file (and heading) that exists, every `src/...`, `conf/...` and `tests/...` path they name
+exists, and README.md stays a front door (at most 120 lines). Reads files only: no process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 120
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# a repository path: starts at a word boundary that is not inside another path
+PATH = re.compile(r"(?<![\w./<-])((?:src|conf|tests)/[\w./*-]*[\w*])")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+
+
+def doc_files(repo: Path = REPO) -> list[Path]:
+    return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces to -."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+    text = text.lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(md: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for m in HEADING.finditer(FENCE.sub("", md.read_text())):
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def problems(md: Path, repo: Path = REPO) -> tuple[list[str], int]:
+    """(what is broken in md, how many links and paths were checked)."""
+    text = md.read_text()
+    name = md.relative_to(repo).as_posix()
+    bad: list[str] = []
+    checked = 0
+    for m in LINK.finditer(FENCE.sub("", text)):
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        checked += 1
+        file_part, _, anchor = target.partition("#")
+        dest = (md.parent / file_part).resolve() if file_part else md
+        if not dest.exists():
+            bad.append(f"{name}: link {target}: no file {file_part}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{name}: link {target}: no heading #{anchor} in {file_part or name}")
+    for m in PATH.finditer(text):
+        path = m.group(1).rstrip(".")
+        checked += 1
+        if not (any(repo.glob(path)) if "*" in path else (repo / path).exists()):
+            bad.append(f"{name}: path {path} does not exist")
+    return bad, checked
+
+
+def test_every_link_and_path_in_the_docs_exists():
+    found: list[str] = []
+    checked = 0
+    for md in doc_files():
+        bad, n = problems(md)
+        found += bad
+        checked += n
+    assert found == []
+    assert len(doc_files()) >= 20
+    assert checked >= 150  # the checker saw the docs' links and paths, not an empty set
+
+
+def test_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+
+
+def test_a_broken_link_or_path_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "here.py").write_text("")
+    (tmp_path / "docs" / "b.md").write_text("# B page\n\n## Two `words`, here\n")
+    md = tmp_path / "docs" / "a.md"
+    md.write_text(
+        "# A\n\n[ok](b.md) [ok](b.md#two-words-here) [ok](#a) [web](https://x.org/y)\n"
+        "[gone](c.md) [no heading](b.md#three) `src/here.py` and `src/gone.py`, "
+        "`src/*.py` `tests/none_*.py`\n\n```\n[in code](nowhere.md)\n# not a heading\n```\n"
+        "[not an anchor](#not-a-heading)\n"
+    )
+    bad, checked = problems(md, tmp_path)
+    assert bad == [
+        "docs/a.md: link c.md: no file c.md",
+        "docs/a.md: link b.md#three: no heading #three in b.md",
+        "docs/a.md: link #not-a-heading: no heading #not-a-heading in docs/a.md",
+        "docs/a.md: path src/gone.py does not exist",
+        "docs/a.md: path tests/none_*.py does not exist",
+    ]
+    assert checked == 10  # 6 relative links + 4 paths; the web link and the fenced one skipped
