@@ -1,6 +1,8 @@
 """The docs hold together: every relative markdown link in README.md and docs/*.md points at a
 file (and heading) that exists, every `src/...`, `conf/...` and `tests/...` path they name
-exists, and README.md stays a front door (at most 120 lines). Reads files only: no process."""
+exists, docs/architecture.md's layout names every module of src/gradsync/ and bench/ (and only
+modules that exist), and README.md stays a front door (at most 120 lines). Reads files only: no
+process."""
 
 from __future__ import annotations
 
@@ -65,6 +67,33 @@ def problems(md: Path, repo: Path = REPO) -> tuple[list[str], int]:
     return bad, checked
 
 
+def layout_problems(repo: Path = REPO) -> tuple[list[str], int]:
+    """Modules docs/architecture.md's layout tables name that do not exist, and modules of
+    src/gradsync/ (each folder and the top level) and bench/ that they leave out; dunder files
+    aside. Returns (problems, modules named)."""
+    text = (repo / "docs" / "architecture.md").read_text()
+    folders = {"top level": repo / "src" / "gradsync", "`bench/`": repo / "bench"}
+    for sub in sorted((repo / "src" / "gradsync").iterdir()):
+        if (sub / "__init__.py").exists():
+            folders[f"`{sub.name}/`"] = sub
+    bad: list[str] = []
+    named_total = 0
+    for cell, folder in folders.items():
+        rows = [line for line in text.splitlines() if line.startswith(f"| {cell} |")]
+        where = folder.relative_to(repo).as_posix()
+        if not rows:
+            bad.append(f"docs/architecture.md: no layout row for {where}/")
+            continue
+        named = {m for m in re.findall(r"`(\w+\.py)`", rows[0]) if not m.startswith("__")}
+        named_total += len(named)
+        present = {f.name for f in folder.glob("*.py") if not f.name.startswith("__")}
+        bad += [f"docs/architecture.md names {where}/{m}, which does not exist"
+                for m in sorted(named - present)]
+        bad += [f"docs/architecture.md's layout leaves out {where}/{m}"
+                for m in sorted(present - named)]
+    return bad, named_total
+
+
 def test_every_link_and_path_in_the_docs_exists():
     found: list[str] = []
     checked = 0
@@ -75,6 +104,12 @@ def test_every_link_and_path_in_the_docs_exists():
     assert found == []
     assert len(doc_files()) >= 20
     assert checked >= 150  # the checker saw the docs' links and paths, not an empty set
+
+
+def test_the_architecture_layout_names_every_module_that_exists():
+    bad, named = layout_problems()
+    assert bad == []
+    assert named >= 60
 
 
 def test_readme_is_a_front_door():
@@ -103,3 +138,25 @@ def test_a_broken_link_or_path_is_found(tmp_path):
         "docs/a.md: path tests/none_*.py does not exist",
     ]
     assert checked == 10  # 6 relative links + 4 paths; the web link and the fenced one skipped
+
+
+def test_a_module_missing_from_the_layout_is_found(tmp_path):
+    pkg = tmp_path / "src" / "gradsync"
+    for path in ["__init__.py", "models.py", "run/__init__.py", "run/main.py", "run/new.py",
+                 "run/__main__.py", "train/__init__.py", "bench_not_here/x.py"]:
+        (pkg / path).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / path).write_text("")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "run.py").write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(
+        "| `run/` | `main.py`, `gone.py`, `__main__.py` | ? |\n"
+        "| top level | `models.py` | ? |\n| `bench/` | `run.py` (harness) | |\n"
+    )
+    bad, named = layout_problems(tmp_path)
+    assert bad == [
+        "docs/architecture.md names src/gradsync/run/gone.py, which does not exist",
+        "docs/architecture.md's layout leaves out src/gradsync/run/new.py",
+        "docs/architecture.md: no layout row for src/gradsync/train/",
+    ]
+    assert named == 4  # main.py, gone.py, models.py, bench/run.py; bench_not_here/ is no package
