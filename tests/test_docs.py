@@ -1,8 +1,8 @@
 """The docs hold together: every relative markdown link in README.md and docs/*.md points at a
-file (and heading) that exists, every `src/...`, `conf/...` and `tests/...` path they name
-exists, docs/architecture.md's layout names every module of src/gradsync/ and bench/ (and only
-modules that exist), and README.md stays a front door (at most 120 lines). Reads files only: no
-process."""
+file (and heading) that exists; every `src/`, `conf/`, `tests/`, `bench/`, `examples/`, `docs/`
+and `.ci/` path they name exists; docs/architecture.md's layout names every module of
+src/gradsync/ and bench/, and only modules that exist; README.md stays a front door (at most
+120 lines). Reads files only: no process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ README_MAX_LINES = 120
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # a repository path: starts at a word boundary that is not inside another path
-PATH = re.compile(r"(?<![\w./<-])((?:src|conf|tests)/[\w./*-]*[\w*])")
+PATH = re.compile(r"(?<![\w./<-])((?:src|conf|tests|bench|examples|docs|\.ci)/[\w./*-]*[\w*])")
+# a module named from inside the package, as docs/architecture.md does: run/main.py
+PACKAGE_PATH = re.compile(r"(?<![\w./<-])((?:config|run|train|sync|engines|data)/\w+\.py)\b")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
 
 
@@ -64,6 +66,10 @@ def problems(md: Path, repo: Path = REPO) -> tuple[list[str], int]:
         checked += 1
         if not (any(repo.glob(path)) if "*" in path else (repo / path).exists()):
             bad.append(f"{name}: path {path} does not exist")
+    for m in PACKAGE_PATH.finditer(text):
+        checked += 1
+        if not (repo / "src" / "gradsync" / m.group(1)).exists():
+            bad.append(f"{name}: path {m.group(1)} does not exist in src/gradsync/")
     return bad, checked
 
 
@@ -103,7 +109,7 @@ def test_every_link_and_path_in_the_docs_exists():
         checked += n
     assert found == []
     assert len(doc_files()) >= 20
-    assert checked >= 150  # the checker saw the docs' links and paths, not an empty set
+    assert checked >= 200  # the checker saw the docs' links and paths, not an empty set
 
 
 def test_the_architecture_layout_names_every_module_that_exists():
@@ -126,7 +132,8 @@ def test_a_broken_link_or_path_is_found(tmp_path):
     md.write_text(
         "# A\n\n[ok](b.md) [ok](b.md#two-words-here) [ok](#a) [web](https://x.org/y)\n"
         "[gone](c.md) [no heading](b.md#three) `src/here.py` and `src/gone.py`, "
-        "`src/*.py` `tests/none_*.py`\n\n```\n[in code](nowhere.md)\n# not a heading\n```\n"
+        "`src/*.py` `tests/none_*.py` `run/gone.py` `src/run/here.py`\n\n"
+        "```\n[in code](nowhere.md)\n# not a heading\n```\n"
         "[not an anchor](#not-a-heading)\n"
     )
     bad, checked = problems(md, tmp_path)
@@ -136,8 +143,11 @@ def test_a_broken_link_or_path_is_found(tmp_path):
         "docs/a.md: link #not-a-heading: no heading #not-a-heading in docs/a.md",
         "docs/a.md: path src/gone.py does not exist",
         "docs/a.md: path tests/none_*.py does not exist",
+        "docs/a.md: path src/run/here.py does not exist",
+        "docs/a.md: path run/gone.py does not exist in src/gradsync/",
     ]
-    assert checked == 10  # 6 relative links + 4 paths; the web link and the fenced one skipped
+    # 6 relative links, 5 paths, 1 package path; the web link and the fenced one skipped
+    assert checked == 12
 
 
 def test_a_module_missing_from_the_layout_is_found(tmp_path):
