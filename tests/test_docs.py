@@ -170,3 +170,21 @@ def test_a_module_missing_from_the_layout_is_found(tmp_path):
         "docs/architecture.md: no layout row for src/gradsync/train/",
     ]
     assert named == 4  # main.py, gone.py, models.py, bench/run.py; bench_not_here/ is no package
+
+
+def test_the_readme_policy_is_a_policy():
+    """README's policy of one's own, as written there: its one method and the YAML naming it."""
+    text = (REPO / "README.md").read_text()
+    code = re.search(r"```python\n(# (\w+)\.py[^\n]*\n.*?)```", text, re.S)
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    yaml = re.search(r"printf '_target_: ([\w.]+)\\nk: (\d+)\\n' > \S+/sync/(\w+)\.yaml", text)
+    assert yaml is not None
+    module, cls = yaml.group(1).rsplit(".", 1)
+    assert module == code.group(2)
+    assert f"sync={yaml.group(3)}" in text
+    policy = namespace[cls](k=int(yaml.group(2)))  # type: ignore[operator]
+    assert [m for m in range(8) if policy.should_sync(m, 8)] == [1, 3, 5, 7]
+    assert [m for m in range(3) if policy.should_sync(m, 3)] == [1, 2]  # the last always syncs
+    assert [m for m in range(1) if policy.should_sync(m, 1)] == [0]
