@@ -1,8 +1,9 @@
 """The docs hold together: every relative markdown link in README.md and docs/*.md points at a
 file (and heading) that exists; every `src/`, `conf/`, `tests/`, `bench/`, `examples/`, `docs/`
 and `.ci/` path they name exists; docs/architecture.md's layout names every module of
-src/gradsync/ and bench/, and only modules that exist; README.md stays a front door (at most
-120 lines). Reads files only: no process."""
+src/gradsync/ and bench/, and only modules that exist; docs/configuration.md's table names every
+group of conf/ and its options; README.md stays a front door (at most 120 lines). Reads files
+only: no process."""
 
 from __future__ import annotations
 
@@ -100,6 +101,33 @@ def layout_problems(repo: Path = REPO) -> tuple[list[str], int]:
     return bad, named_total
 
 
+def group_problems(repo: Path = REPO) -> tuple[list[str], int]:
+    """docs/configuration.md's table of groups against conf/: one row per group folder, its
+    options exactly the folder's YAML files. Returns (problems, options named)."""
+    rows = {}
+    for line in (repo / "docs" / "configuration.md").read_text().splitlines():
+        m = re.match(r"\| `(\w+)/` \| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"`(\w+)`", m.group(2)))
+    groups = {d.name for d in (repo / "conf").iterdir() if d.is_dir() and d.name != "hydra"}
+    bad = [f"docs/configuration.md: no row for conf/{g}/" for g in sorted(groups - set(rows))]
+    bad += [f"docs/configuration.md: a row for conf/{g}/, which does not exist"
+            for g in sorted(set(rows) - groups)]
+    for g in sorted(groups & set(rows)):
+        have = {f.stem for f in (repo / "conf" / g).glob("*.yaml")}
+        bad += [f"docs/configuration.md: conf/{g}/ has no option {o}"
+                for o in sorted(rows[g] - have)]
+        bad += [f"docs/configuration.md: conf/{g}/{o}.yaml missing from its row"
+                for o in sorted(have - rows[g])]
+    return bad, sum(len(v) for v in rows.values())
+
+
+def test_the_configuration_table_lists_every_group_and_option():
+    bad, named = group_problems()
+    assert bad == []
+    assert named >= 30
+
+
 def test_every_link_and_path_in_the_docs_exists():
     found: list[str] = []
     checked = 0
@@ -188,3 +216,23 @@ def test_the_readme_policy_is_a_policy():
     assert [m for m in range(8) if policy.should_sync(m, 8)] == [1, 3, 5, 7]
     assert [m for m in range(3) if policy.should_sync(m, 3)] == [1, 2]  # the last always syncs
     assert [m for m in range(1) if policy.should_sync(m, 1)] == [0]
+
+
+def test_a_group_or_option_missing_from_the_table_is_found(tmp_path):
+    for path in ["model/mlp.yaml", "model/cnn.yaml", "engine/ddp.yaml", "hydra/x/y.yaml",
+                 "config.yaml"]:
+        (tmp_path / "conf" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / path).write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "configuration.md").write_text(
+        "| group | options | keys |\n|---|---|---|\n"
+        "| `model/` | `mlp`, `gone` | `hidden_sizes` |\n| `old/` | `a` | |\n"
+    )
+    bad, named = group_problems(tmp_path)
+    assert bad == [
+        "docs/configuration.md: no row for conf/engine/",
+        "docs/configuration.md: a row for conf/old/, which does not exist",
+        "docs/configuration.md: conf/model/ has no option gone",
+        "docs/configuration.md: conf/model/cnn.yaml missing from its row",
+    ]
+    assert named == 3  # mlp, gone, a
