@@ -208,7 +208,7 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
           ctx: CheckContext | None = None, extra: Iterable[str] = ()) -> Any:
     """Hold a config node against its target's signature and the target's own check_config.
     runtime: names the worker passes itself (they may not be set in the config); extra: keys of
-    the node that are not the target's (e.g. data.micro_batch_size, a loop setting). Returns the
+    the node that are not the target's (keys the loop reads rather than the target). Returns the
     target."""
     if not isinstance(node, dict) or "_target_" not in node:
         raise ConfigError(f"{group}: needs a _target_ (package.module.callable) and its "
@@ -246,7 +246,7 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
 
 def config_args(node: dict[str, Any], extra: Iterable[str] = ()) -> dict[str, Any]:
     """The keyword arguments a node sets for its target: all its keys but ``_target_``,
-    ``_partial_`` and ``extra`` (keys the loop reads, such as data.micro_batch_size)."""
+    ``_partial_`` and ``extra`` (keys the loop reads, not the target)."""
     skip = set(extra)
     return {k: v for k, v in node.items() if k not in RESERVED and k not in skip}
 
