@@ -1,13 +1,12 @@
 """train/memory.py's byte counts: storages counted once each (views into one buffer, as DDP's
-gradients are into its buckets), a rank's state between windows (parameters, gradients,
-optimizer state) and the gradient maxima an engine records. (Whole runs' memory entries:
-tests/test_fsdp.py, tests/test_bench.py.)"""
+gradients are into its buckets) and the gradient maxima an engine records. (Whole runs' memory
+entries: tests/test_fsdp.py, tests/test_bench.py.)"""
 
 from __future__ import annotations
 
 import torch
 
-from gradsync.train.memory import MemoryMeter, state_bytes, storage_bytes
+from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
 def test_storages_count_once_each_and_views_add_nothing():
@@ -20,19 +19,6 @@ def test_storages_count_once_each_and_views_add_nothing():
     freed = torch.zeros(5)
     freed.untyped_storage().resize_(0)  # as FSDP frees an unsharded parameter
     assert storage_bytes([freed, other]) == 24
-
-
-def test_state_bytes_are_parameters_gradients_and_adams_two_moments():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)  # 6 + 2 parameters
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    assert state_bytes(model, opt) == 8 * 4  # no gradients, no optimizer state yet
-    model(torch.randn(4, 3)).sum().backward()
-    assert state_bytes(model, opt) == 2 * 8 * 4
-    opt.step()
-    # exp_avg and exp_avg_sq per parameter (8 numbers each) and a step counter per parameter
-    # tensor (a 0-d float32: 4 bytes each)
-    assert state_bytes(model, opt) == 4 * 8 * 4 + 2 * 4
 
 
 def test_the_meter_keeps_each_maximum_over_the_run():
