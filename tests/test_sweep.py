@@ -124,8 +124,9 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
         assert s["status"] == row["status"] == "completed"
         assert row["schedule.accum_steps"] == str(n) and s["accum_steps"] == n
         assert f"schedule.accum_steps={n}" in row["overrides"].split()
-        assert s["optimizer_steps"] == 2 and s["samples_seen"] == 2 * 2 * n * 32
-        assert int(row["global_batch"]) == 2 * 32 * n
+        # 2 steps x 2 ranks x n micro-batches of schedule.micro_batch_size's default (16)
+        assert s["optimizer_steps"] == 2 and s["samples_seen"] == 2 * 2 * n * 16
+        assert int(row["global_batch"]) == 2 * 16 * n
         # exact: the CSV keeps full precision
         assert row["final_train_loss"] == repr(s["final_train_loss"])
         assert float(row["eval_loss"]) == s["eval"]["loss"]
@@ -141,7 +142,7 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
     common = next(line for line in md.splitlines() if "Common overrides:" in line)
     assert {"experiment=accum_sweep", "data=synthetic", "trainer.max_steps=2"} <= \
         set(common.split("Common overrides: ")[1].rstrip(".").split())
-    assert "Same in every completed job: ranks 2, micro 32, steps 2." in md
+    assert "Same in every completed job: ranks 2, micro 16, steps 2." in md
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| job | schedule.accum_steps | status | N | global batch |")
     for n, line, s in zip(ACCUM, table[1:], summaries(sweep_dir, 3), strict=True):
