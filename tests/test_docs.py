@@ -178,14 +178,17 @@ def test_a_broken_link_or_path_is_found(tmp_path):
     assert checked == 12
 
 
+def _empty_files(root: Path, paths: list[str]) -> None:
+    for path in paths:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("")
+
+
 def test_a_module_missing_from_the_layout_is_found(tmp_path):
-    pkg = tmp_path / "src" / "gradsync"
-    for path in ["__init__.py", "models.py", "run/__init__.py", "run/main.py", "run/new.py",
-                 "run/__main__.py", "train/__init__.py", "bench_not_here/x.py"]:
-        (pkg / path).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / path).write_text("")
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "run.py").write_text("")
+    _empty_files(tmp_path / "src" / "gradsync", [
+        "__init__.py", "models.py", "run/__init__.py", "run/main.py", "run/new.py",
+        "run/__main__.py", "train/__init__.py", "bench_not_here/x.py"])
+    _empty_files(tmp_path, ["bench/run.py"])
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "architecture.md").write_text(
         "| `run/` | `main.py`, `gone.py`, `__main__.py` | ? |\n"
@@ -219,10 +222,8 @@ def test_the_readme_policy_is_a_policy():
 
 
 def test_a_group_or_option_missing_from_the_table_is_found(tmp_path):
-    for path in ["model/mlp.yaml", "model/cnn.yaml", "engine/ddp.yaml", "hydra/x/y.yaml",
-                 "config.yaml"]:
-        (tmp_path / "conf" / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "conf" / path).write_text("")
+    _empty_files(tmp_path / "conf", ["model/mlp.yaml", "model/cnn.yaml", "engine/ddp.yaml",
+                                     "hydra/x/y.yaml", "config.yaml"])
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "configuration.md").write_text(
         "| group | options | keys |\n|---|---|---|\n"
