@@ -67,8 +67,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     assert opt.param_groups[0]["lr"] == cfg["optimizer"]["lr"]
     sched = build(cfg["lr_scheduler"], {"optimizer": opt, "total_steps": 10})
     assert sched.get_last_lr()[0] > 0
-    schedule = build_schedule(run.schedule, world_size=2,
-                              micro_batch_size=cfg["schedule"]["micro_batch_size"])
+    schedule = build_schedule(run.schedule, world_size=2)
     assert schedule.accum_steps(0) >= 1
     policy = build(cfg["sync"])
     assert [policy.should_sync(i, 4) for i in range(4)] == SYNCS[policy.name]
@@ -142,7 +141,7 @@ def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
     cfg = compose_plain(["schedule=global_batch", "schedule.global_batch_size=96",
                          "schedule.micro_batch_size=8", "trainer.devices=3"])
     preflight(cfg)
-    assert build_schedule(RunConfig.from_plain(cfg).schedule, 3, 8).accum_steps(0) == 4
+    assert build_schedule(RunConfig.from_plain(cfg).schedule, 3).accum_steps(0) == 4
     cfg["schedule"]["global_batch_size"] = 100
     with pytest.raises(ConfigError, match="schedule.global_batch_size.*3 x 8 = 24"):
         preflight(cfg)
@@ -228,7 +227,7 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
     cfg = compose_plain(["schedule=epochwise", "schedule.accum_steps_by_epoch={0:2,3:8}"])
     preflight(cfg)
     assert cfg["schedule"]["accum_steps_by_epoch"] == {0: 2, 3: 8}
-    sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2, 16)
+    sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2)
     assert [sched.accum_steps(e) for e in range(5)] == [2, 2, 2, 8, 8]
 
 

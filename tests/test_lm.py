@@ -271,8 +271,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
     assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
-    assert build_schedule(RunConfig.from_plain(cfg).schedule, 2,
-                          cfg["schedule"]["micro_batch_size"]).accum_steps(0) == 4
+    assert build_schedule(RunConfig.from_plain(cfg).schedule, 2).accum_steps(0) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         params = compose("config", overrides=["experiment=lm_accum_sweep"],
                          return_hydra_config=True).hydra.sweeper.params
@@ -284,8 +283,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
                                  f"loss.normalize={normalize}"])
             preflight(job)
             assert job["schedule"]["global_batch_size"] == 64
-            accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2,
-                                     int(micro)).accum_steps(0))
+            accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2).accum_steps(0))
     assert accum == {1, 2, 4, 8}
 
 

@@ -71,7 +71,7 @@ def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
                                              f"schedule.micro_batch_size={micro}"], False))
         preflight(plain)
         schedule = build_schedule(RunConfig.from_plain(plain).schedule,
-                                  plain["trainer"]["devices"], micro)
+                                  plain["trainer"]["devices"])
         ns.append(schedule.accum_steps(0))
     assert ns == [4, 2, 1]  # 2 ranks x micro x N = 128 every time
 

@@ -86,7 +86,7 @@ def test_epochwise_schedule_holds_each_entry_until_the_next():
 
 
 def test_global_batch_and_total_steps():
-    s = build_schedule(GlobalBatchScheduleConfig(global_batch_size=64), 2, 8)
+    s = build_schedule(GlobalBatchScheduleConfig(global_batch_size=64, micro_batch_size=8), 2)
     assert s.accum_steps(0) == 4
     # 100 local samples, micro 8, N=4 -> 4 steps/epoch; 3 epochs -> 12; capped by max_steps
     assert total_optimizer_steps(s, 3, -1, 100, 8) == 12

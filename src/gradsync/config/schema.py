@@ -205,7 +205,7 @@ class ConstantScheduleConfig:
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     accum_steps: int = 1
 
-    def check(self, world_size: int, micro_batch_size: int) -> None:
+    def check(self, world_size: int) -> None:
         check_types(self, "schedule")
         require(self.accum_steps >= 1, "schedule.accum_steps", "an integer >= 1",
                 self.accum_steps)
@@ -220,7 +220,7 @@ class EpochwiseScheduleConfig:
     # dict[int, int]; typed Any so that an override can replace the mapping (config/hydra.py)
     accum_steps_by_epoch: Any = field(default_factory=lambda: {0: 1})
 
-    def check(self, world_size: int, micro_batch_size: int) -> None:
+    def check(self, world_size: int) -> None:
         check_types(self, "schedule")
         by_epoch = self.accum_steps_by_epoch
         require(isinstance(by_epoch, dict) and all(
@@ -242,12 +242,12 @@ class GlobalBatchScheduleConfig:
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     global_batch_size: int = 256
 
-    def check(self, world_size: int, micro_batch_size: int) -> None:
+    def check(self, world_size: int) -> None:
         check_types(self, "schedule")
-        gb, per_window = self.global_batch_size, world_size * micro_batch_size
+        gb, per_window = self.global_batch_size, world_size * self.micro_batch_size
         require(gb >= 1 and gb % per_window == 0, "schedule.global_batch_size",
                 f"a positive multiple of world_size x schedule.micro_batch_size = {world_size} x "
-                f"{micro_batch_size} = {per_window}", gb)
+                f"{self.micro_batch_size} = {per_window}", gb)
 
 
 @dataclass
@@ -264,7 +264,7 @@ class AdaptiveScheduleConfig:
     max_accum_steps: int = 16
     every_steps: int = 10  # optimizer steps between decisions: N changes at most this often
 
-    def check(self, world_size: int, micro_batch_size: int) -> None:
+    def check(self, world_size: int) -> None:
         check_types(self, "schedule")
         _in_range(self, "schedule", {"initial_accum_steps": (1, MAX_ACCUM), "min_accum_steps":
                                      (1, MAX_ACCUM), "max_accum_steps": (1, MAX_ACCUM),

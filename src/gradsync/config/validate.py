@@ -86,7 +86,7 @@ def validate(plain: dict[str, Any], world_size: int, device_type: str) -> RunCon
     require(isinstance(cfg.resume, str) and (cfg.resume in ("none", "auto")
                                              or os.path.exists(cfg.resume)), "resume",
             "none, auto, or the path of a checkpoint file or run dir", cfg.resume)
-    cfg.schedule.check(world_size, cfg.micro_batch_size)
+    cfg.schedule.check(world_size)
     cfg.precision.check(device_type)
     cfg.lr_scaling.check()
     return cfg

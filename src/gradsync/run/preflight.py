@@ -96,7 +96,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     optimizer = check_optimizer(plain["optimizer"])
     local_samples = -(-len(data.train) // world)  # type: ignore[arg-type]
     check_lr_scheduler(cfg.lr_scheduler.node, optimizer, total_optimizer_steps(
-        build_schedule(cfg.schedule, world, cfg.micro_batch_size), cfg.trainer.max_epochs,
+        build_schedule(cfg.schedule, world), cfg.trainer.max_epochs,
         cfg.trainer.max_steps, local_samples, cfg.micro_batch_size))
     return model, check_policy(cfg, world)
 

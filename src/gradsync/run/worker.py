@@ -104,8 +104,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                           cfg.compile.dynamic) if cfg.compile.enabled else None,
                           trace=SyncTrace(rank) if eng.trace_sync else None, **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
-    schedule = build_schedule(cfg.schedule, world_size, micro,
-                              data.tokens_per_sample if unit == "tokens" else 1.0)
+    schedule = build_schedule(cfg.schedule, world_size, units_per_sample=(
+        data.tokens_per_sample if unit == "tokens" else 1.0))
     scaling, tick = cfg.lr_scaling, lr_scaling.clock(cfg.lr_scaling.name, cfg.schedule.name)
     reference = lr_scaling.reference_batch(scaling, world_size, micro, schedule.accum_steps(0))
     if tick == "steps":

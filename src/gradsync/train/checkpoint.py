@@ -285,7 +285,7 @@ def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world:
     epoch, done = progress["epoch"], progress["epoch_step"]
     old = RunConfig.from_plain(old_cfg)
     micro = old.micro_batch_size
-    old_window = build_schedule(old.schedule, old_world, micro).accum_steps(epoch)
+    old_window = build_schedule(old.schedule, old_world).accum_steps(epoch)
     consumed = done * old_window * micro * old_world
     window = new_window * micro * new_world
     return (epoch, consumed // window) if consumed % window == 0 else None
@@ -301,8 +301,7 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
     from gradsync.train.schedules import build_schedule
 
     run = RunConfig.from_plain(cfg)
-    window = build_schedule(run.schedule, world_size, run.micro_batch_size).accum_steps(
-        meta["progress"]["epoch"])
+    window = build_schedule(run.schedule, world_size).accum_steps(meta["progress"]["epoch"])
     if epoch_position(meta["progress"], meta["config"], meta["world_size"], window,
                       world_size) is None:
         p = meta["progress"]

@@ -129,9 +129,11 @@ class AdaptiveSchedule:
         self.size, self.used = state["size"], list(state["used"])
 
 
-def build_schedule(cfg: ScheduleConfig, world_size: int, micro_batch_size: int,
+def build_schedule(cfg: ScheduleConfig, world_size: int, *,
                    units_per_sample: float = 1.0) -> Schedule:
-    """units_per_sample: of the loss's unit (tokens per sequence on token-normalised data)."""
+    """The schedule of a config (its micro_batch_size included) on world_size ranks.
+    units_per_sample: of the loss's unit (tokens per sequence on token-normalised data)."""
+    micro_batch_size = cfg.micro_batch_size
     if isinstance(cfg, ConstantScheduleConfig):
         return ConstantSchedule(cfg.accum_steps)
     if isinstance(cfg, EpochwiseScheduleConfig):
