@@ -204,6 +204,19 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def renamed_line(old: str, new: str) -> str:
+    """The one line an option answers its old name with (config/renames.py for settings, a
+    target's ``renamed`` for a component's own keyword)."""
+    return f"{old} was renamed: use {new}"
+
+
+def renamed_option(target: Any, group: str, key: str) -> str | None:
+    """renamed_line for `group.key` where the target renamed that keyword (its ``renamed``
+    mapping, old name -> new: sync/policy.py RENAMED), else None."""
+    new = getattr(target, "renamed", {}).get(key)
+    return None if new is None else renamed_line(f"{group}.{key}", f"{group}.{new}")
+
+
 def check(group: str, node: dict[str, Any], runtime: Iterable[str],
           ctx: CheckContext | None = None, extra: Iterable[str] = ()) -> Any:
     """Hold a config node against its target's signature and the target's own check_config.
@@ -223,9 +236,9 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
         if key in runtime:
             raise ConfigError(f"{group}.{key}: set by gradsync at run time, not in the config "
                               f"({keys})")
-        if key in getattr(target, "renamed", {}):  # an option renamed (sync/policy.py RENAMED)
-            new = target.renamed[key]
-            raise ConfigError(f"{group}.{key} was renamed: use {group}.{new}")
+        message = renamed_option(target, group, key)
+        if message:
+            raise ConfigError(message)
         if key not in params and not takes_any_keyword(target):
             raise ConfigError(f"{group}.{key}: unknown key for {node['_target_']}; {keys}")
     for name, p in params.items():

@@ -12,7 +12,13 @@ from typing import Any, TypeVar
 from hydra.errors import MissingConfigException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradsync.components import ConfigError, locate, parameters, takes_any_keyword
+from gradsync.components import (
+    ConfigError,
+    locate,
+    parameters,
+    renamed_option,
+    takes_any_keyword,
+)
 from gradsync.config import validate
 from gradsync.config.hydra import compose_command_line, node_of
 from gradsync.config.renames import renamed
@@ -81,9 +87,9 @@ def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any]
         target = None
     if node is None or target is None:
         return f"{key}: unknown key for the chosen {group}"
-    if name in getattr(target, "renamed", {}):  # an option renamed (sync/policy.py RENAMED)
-        new = target.renamed[name]
-        return f"{key} was renamed: use {group}.{new}"
+    message = renamed_option(target, group, name)
+    if message:
+        return message
     runtime = runtime_arguments(group, node_of(cfg, "data"))
     accepted = sorted(n for n in parameters(target) if n not in runtime)
     keys = (f"; accepted keys: {', '.join(accepted)}" if accepted else ", which takes no keys")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gradsync.components import ConfigError
+from gradsync.components import ConfigError, renamed_line
 
 # old dotted key -> the new one (and, after a space, what it counts or where it went)
 RENAMED: dict[str, str] = {
@@ -43,7 +43,7 @@ def renamed(key: str) -> str | None:
     """The message for an old key (``+``/``++``/``~`` prefixes ignored), or None."""
     key = key.lstrip("+~")
     new = RENAMED.get(key)
-    return None if new is None else f"{key} was renamed: use {new}"
+    return None if new is None else renamed_line(key, new)
 
 
 def refuse_renamed_overrides(overrides: Iterable[str]) -> None:
@@ -62,4 +62,4 @@ def refuse_renamed_keys(plain: dict[str, Any]) -> None:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and last in node:
-            raise ConfigError(f"{old} was renamed: use {RENAMED[old]}")
+            raise ConfigError(renamed_line(old, RENAMED[old]))

@@ -222,7 +222,7 @@ def as_policy(obj: Any, target: str = "sync") -> SyncPolicy:
         if not callable(getattr(obj, "should_sync", None)):
             raise ConfigError(f"sync ({target}): returned {kind_of(obj)}, which is no sync policy: "
                               "a sync policy has a method should_sync(micro_index, window_size) "
-                              "-> bool (subclass gradsync.sync.SyncPolicy)")
+                              "-> bool (or subclass gradsync.sync.policy.SyncPolicy)")
         obj = Adopted(obj)
     check_should_sync(obj, target)
     return obj
