@@ -27,7 +27,8 @@ import torch.distributed as dist
 from gradsync.core.devices import on_device
 from gradsync.train.lr_scaling import ScaledLR
 from gradsync.train.memory import local
-from gradsync.train.metrics import RunLog, peak_memory_mb
+from gradsync.train.metrics import RunLog
+from gradsync.train.schedules import AdaptiveSchedule as Adaptive
 
 if TYPE_CHECKING:
     from gradsync.train.loop import Parts, Progress
@@ -86,9 +87,7 @@ class StepLog:
             self.log.scalars(row["window"], {"sync/replica_drift": drift})
 
     def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
-        # where the run stands on the sweep summary's other axes (rank 0's bytes, loop time)
-        row["allreduce_bytes"] = self.p.engine.counts.allreduce_bytes
-        row["train_s"] = self.state.train_s
+        row |= _spent(self.p, self.state)  # where the run stands on the sweep summary's axes
         self.rows.append(row)
         self.losses.append(local_loss)
 
@@ -136,8 +135,9 @@ class StepLog:
         if "lr_factor" in last:
             scalars["train/lr_factor"] = last["lr_factor"]
         scalars |= {f"noise/{k}": v for k, v in last.items() if k in NOISE_SCALARS}
-        if self.p.device.type == "cuda":  # rank 0's; every rank's is in summary.json
-            scalars["perf/peak_gpu_mem_mb"] = peak_memory_mb(self.p.device)
+        if self.p.device.type == "cuda":  # rank 0's (mem/peak_mb's reading of torch's
+            # counter); every rank's is in summary.json
+            scalars["perf/peak_gpu_mem_mb"] = scalars["mem/peak_mb"]
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
             scalars["amp/skipped_steps"] = state.skipped_steps
@@ -273,7 +273,7 @@ class Logging:
 
 
 class Hooks:
-    """The worker's hooks (Parts.after_window: the CPU's peak memory, an injected failure)."""
+    """The worker's hooks (Parts.after_window: an injected failure, trainer.fail_at_step)."""
 
     def __init__(self, hooks: list[Callable[[Parts, Progress, bool], None]]):
         self.hooks = hooks
@@ -358,7 +358,8 @@ def callbacks(p: Parts, log: RunLog, state: Progress) -> Callbacks:
         before.append(NoiseWindow())
     if isinstance(p.lr_scheduler, ScaledLR):
         before.append(LRScaling())
-    after: list[Any] = [AdaptiveSchedule(), Averaging(), logging]
+    after: list[Any] = [AdaptiveSchedule()] if isinstance(p.schedule, Adaptive) else []
+    after += [Averaging(), logging]
     if p.after_window:
         after.append(Hooks(p.after_window))
     if p.replica_check_every:
