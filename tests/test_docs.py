@@ -178,22 +178,20 @@ def test_a_broken_link_or_path_is_found(tmp_path):
     assert checked == 12
 
 
-def _empty_files(root: Path, paths: list[str]) -> None:
+def _files(root: Path, paths: list[str], text: str = "") -> None:
     for path in paths:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text("")
+        (root / path).write_text(text)
 
 
 def test_a_module_missing_from_the_layout_is_found(tmp_path):
-    _empty_files(tmp_path / "src" / "gradsync", [
+    _files(tmp_path / "src" / "gradsync", [
         "__init__.py", "models.py", "run/__init__.py", "run/main.py", "run/new.py",
         "run/__main__.py", "train/__init__.py", "bench_not_here/x.py"])
-    _empty_files(tmp_path, ["bench/run.py"])
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "architecture.md").write_text(
-        "| `run/` | `main.py`, `gone.py`, `__main__.py` | ? |\n"
-        "| top level | `models.py` | ? |\n| `bench/` | `run.py` (harness) | |\n"
-    )
+    _files(tmp_path, ["bench/run.py"])
+    _files(tmp_path, ["docs/architecture.md"],
+           "| `run/` | `main.py`, `gone.py`, `__main__.py` | ? |\n"
+           "| top level | `models.py` | ? |\n| `bench/` | `run.py` (harness) | |\n")
     bad, named = layout_problems(tmp_path)
     assert bad == [
         "docs/architecture.md names src/gradsync/run/gone.py, which does not exist",
@@ -222,13 +220,11 @@ def test_the_readme_policy_is_a_policy():
 
 
 def test_a_group_or_option_missing_from_the_table_is_found(tmp_path):
-    _empty_files(tmp_path / "conf", ["model/mlp.yaml", "model/cnn.yaml", "engine/ddp.yaml",
-                                     "hydra/x/y.yaml", "config.yaml"])
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "configuration.md").write_text(
-        "| group | options | keys |\n|---|---|---|\n"
-        "| `model/` | `mlp`, `gone` | `hidden_sizes` |\n| `old/` | `a` | |\n"
-    )
+    _files(tmp_path / "conf", ["model/mlp.yaml", "model/cnn.yaml", "engine/ddp.yaml",
+                               "hydra/x/y.yaml", "config.yaml"])
+    _files(tmp_path, ["docs/configuration.md"],
+           "| group | options | keys |\n|---|---|---|\n"
+           "| `model/` | `mlp`, `gone` | `hidden_sizes` |\n| `old/` | `a` | |\n")
     bad, named = group_problems(tmp_path)
     assert bad == [
         "docs/configuration.md: no row for conf/engine/",
