@@ -120,7 +120,7 @@ def test_schema_group_yamls_state_only_what_differs_from_the_schema():
 
 def test_every_engine_has_its_conf_entry_and_no_other():
     """conf/engine/<name>.yaml for each of gradsync.engines.ENGINES (adding an engine: its
-    module, its line there, this file), each composing to its own name."""
+    module, registering it, and this file), each composing to its own name."""
     from gradsync.engines import ENGINES
 
     names = sorted(p.stem for p in (Path(CONF_DIR) / "engine").glob("*.yaml"))

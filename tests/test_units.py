@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -161,15 +162,45 @@ def test_each_engine_declares_what_it_can_carry_out_on_its_class():
     from gradsync.components import ConfigError
     from gradsync.engines import ENGINES, able, capabilities
     from gradsync.engines.fsdp import FSDPEngine, HSDPEngine
+    from gradsync.engines.gradsync_ddp import GradsyncDDP
+    from gradsync.engines.torch_ddp import TorchDDP
 
-    assert list(ENGINES) == ["torch_ddp", "gradsync", "fsdp", "hsdp"]
+    assert list(ENGINES) == ["torch_ddp", "fsdp", "hsdp", "gradsync"]  # the default first
     assert [capabilities(n) is ENGINES[n].engine.capabilities for n in ENGINES] == [True] * 4
     assert able("sharded") == ["fsdp", "hsdp"] and able("replicas") == ["hsdp"]
     assert able("per_bucket") == ["gradsync"]
     assert able("gradient_probe") == able("trace_sync") == able("sync_batchnorm") == \
         able("shared_memory") == ["torch_ddp", "gradsync"]
     assert [capabilities(n).compile_min_bucket_mb for n in ENGINES] == [1.0, 0.0, 0.0, 0.0]
+    assert [ENGINES[n].engine for n in ENGINES] == [TorchDDP, FSDPEngine, HSDPEngine, GradsyncDDP]
     assert issubclass(HSDPEngine, FSDPEngine)
     with pytest.raises(ConfigError, match=r"^engine.name='ddp' is not allowed: one of torch_ddp, "
-                                          r"gradsync, fsdp, hsdp$"):
+                                          r"fsdp, hsdp, gradsync$"):
         capabilities("ddp")
+
+
+def test_a_new_engine_is_its_module_registering_it(tmp_path, monkeypatch):
+    """A module in gradsync/engines/ that registers an engine at its end is found: no list to
+    edit (its other file is conf/engine/<name>.yaml, tests/test_config.py)."""
+    import gradsync.engines as engines
+
+    (tmp_path / "planted_engine.py").write_text(
+        "from gradsync.engines.base import Capabilities, Registered\n"
+        "class Planted:\n"
+        "    capabilities = Capabilities(per_bucket=True, compile_min_bucket_mb=2.5)\n"
+        "    def __init__(self, model, world_size):\n"
+        "        self.model, self.world_size = model, world_size\n"
+        "def build_planted(model, world_size):\n"
+        "    return Planted(model, world_size)\n"
+        "ENGINES = {'planted': Registered(Planted, build_planted)}\n")
+    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(tmp_path)])
+    try:
+        monkeypatch.setattr(engines, "ENGINES", engines._collect())
+    finally:
+        sys.modules.pop("gradsync.engines.planted_engine", None)
+    assert list(engines.ENGINES) == ["torch_ddp", "fsdp", "hsdp", "gradsync", "planted"]
+    assert engines.ENGINES["planted"].engine.__name__ == "Planted"
+    assert engines.able("per_bucket") == ["gradsync", "planted"]
+    assert engines.capabilities("planted").compile_min_bucket_mb == 2.5
+    built = engines.build_engine("planted", model="m", world_size=3, counts=None, compile=None)
+    assert (built.model, built.world_size) == ("m", 3)  # only the keywords it names

@@ -1,31 +1,36 @@
 """Data-parallel engines: what wraps one rank's model and carries out a sync policy's
-decisions. ``base.py`` is the interface the loop talks to; ``ENGINES`` is the one list of
-engines: each ``engine=<name>``, its class (whose ``capabilities`` the checks read) and the
-function that builds it. A new engine is its module and one line here."""
+decisions. ``base.py`` is the interface the loop talks to. Each engine's module registers it
+at its end (``ENGINES = {"<name>": Registered(Class, build)}``); ``ENGINES`` here collects
+them, the default engine first: each ``engine=<name>``, its class (whose ``capabilities`` the
+checks read) and the function that builds it. A new engine is two files: its module here and
+conf/engine/<name>.yaml (plus its row in docs/configuration.md, which tests/test_docs.py asks
+for)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import importlib
+import pkgutil
+from typing import Any
 
 from gradsync.components import parameters, require
-from gradsync.engines.base import Capabilities, Engine
-from gradsync.engines.fsdp import FSDPEngine, HSDPEngine, build_fsdp, build_hsdp
-from gradsync.engines.gradsync_ddp import GradsyncDDP, build_gradsync_ddp
-from gradsync.engines.torch_ddp import TorchDDP, build_torch_ddp
+from gradsync.config.schema import EngineConfig
+from gradsync.engines.base import Capabilities, Engine, Registered
 
 
-class Registered(NamedTuple):
-    engine: type[Engine]  # the class: its capabilities
-    build: Callable[..., Engine]
+def _collect() -> dict[str, Registered]:
+    """Every module's ENGINES, in module order, the schema's default engine first."""
+    found: dict[str, Registered] = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "__main__":
+            for name, registered in getattr(importlib.import_module(f"{__name__}.{module.name}"),
+                                            "ENGINES", {}).items():
+                assert name not in found, f"engine {name!r} is registered twice"
+                found[name] = registered
+    default = EngineConfig().name
+    return {default: found.pop(default)} | found
 
 
-ENGINES: dict[str, Registered] = {
-    "torch_ddp": Registered(TorchDDP, build_torch_ddp),
-    "gradsync": Registered(GradsyncDDP, build_gradsync_ddp),
-    "fsdp": Registered(FSDPEngine, build_fsdp),
-    "hsdp": Registered(HSDPEngine, build_hsdp),
-}
+ENGINES: dict[str, Registered] = _collect()
 
 
 def capabilities(name: str) -> Capabilities:

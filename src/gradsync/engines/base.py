@@ -14,7 +14,8 @@ One micro-batch, as the loop runs it (train/loop.py run_window)::
         out = engine(x)                     # the forward decides whether the backward syncs
         loss(out, y).backward()             # a syncing backward all-reduces (the comm hook)
 
-An engine is built by a function registered in ``gradsync.engines.ENGINES`` under its name
+An engine is built by a function its module registers (``ENGINES = {name: Registered(class,
+build)}`` at the module's end; ``gradsync.engines`` collects them) under its name
 (``engine=<name>``, conf/engine/<name>.yaml), beside its class, whose ``capabilities`` say what
 it can carry out (the checks before any worker starts and the worker read those, never the
 engine's name). It is built from the model, the policy (its ``bind`` names the parameters the
@@ -25,10 +26,10 @@ the engine settings (``engine.*``); it counts what it puts on the wire in the ru
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -112,3 +113,11 @@ class Engine(Protocol):
     def describe(self) -> dict[str, Any]:
         """What the engine all-reduces and how: summary.json's `engine` entry."""
         ...
+
+
+class Registered(NamedTuple):
+    """One engine as its module registers it: ``ENGINES = {"<name>": Registered(Class, build)}``
+    at the module's end, the name being ``engine=<name>`` (conf/engine/<name>.yaml)."""
+
+    engine: type[Engine]  # the class: its capabilities
+    build: Callable[..., Engine]  # given the keywords it names (gradsync.engines.build_engine)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import RESERVED, ConfigError, locate, parameters, require
-from gradsync.engines.base import Capabilities
+from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -510,3 +510,8 @@ def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world
     host) such groups (a 2-D mesh)."""
     return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
                   fsdp_units, replicas, find_unused_parameters, compile)
+
+
+# engine=<name> (conf/engine/<name>.yaml): gradsync.engines collects these
+ENGINES = {"fsdp": Registered(FSDPEngine, build_fsdp),
+           "hsdp": Registered(HSDPEngine, build_hsdp)}

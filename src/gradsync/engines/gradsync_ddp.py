@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
-from gradsync.engines.base import Capabilities
+from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -429,3 +429,7 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
     if compile:  # the engine's hooks see the compiled backward's gradients (compiled.py)
         engine.compiled, engine.forward = compile, compile.wrap(model)
     return engine
+
+
+# engine=<name> (conf/engine/<name>.yaml): gradsync.engines collects these
+ENGINES = {"gradsync": Registered(GradsyncDDP, build_gradsync_ddp)}

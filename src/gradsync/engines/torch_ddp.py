@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
-from gradsync.engines.base import Capabilities
+from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
@@ -164,3 +164,7 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
     if compile:  # the wrapper: DDP's graph split at its buckets (engines/compiled.py)
         engine.compiled, engine.forward = compile, compile.wrap(ddp)
     return engine
+
+
+# engine=<name> (conf/engine/<name>.yaml): gradsync.engines collects these
+ENGINES = {"torch_ddp": Registered(TorchDDP, build_torch_ddp)}
