@@ -22,7 +22,8 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     snaps: list[tuple] = []
 
     def recording(p):
-        after_window, finish = p.policy.after_window, p.policy.finish
+        averager = p.policy.averager  # sync.groups with `every`: the LayerSync
+        after_window, finish = averager.after_window, averager.finish
         if torch.distributed.get_rank() == inf_rank:
             param = dict(p.engine.module.named_parameters())[inf_param]
             param.register_hook(lambda g: g * float("inf") if len(snaps) + 1 == inf_window
@@ -39,7 +40,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
             finish(model)
             snaps.append(("finish", params()))
 
-        p.policy.after_window, p.policy.finish = after, done  # type: ignore[method-assign]
+        averager.after_window, averager.finish = after, done  # type: ignore[method-assign]
         return p
 
     summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)

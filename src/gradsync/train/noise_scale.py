@@ -94,7 +94,7 @@ def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> 
         raise ConfigError(f"{why} is measured inside the all-reduce of an engine with a "
                           "gradient probe (torch_ddp, gradsync), not engine="
                           f"{cfg.engine.name}")
-    if policy.syncs_parameters:
+    if policy.averager is not None and policy.averager.whole_model:
         raise ConfigError(f"{why} is measured around the all-reduce of the gradients; "
                           f"sync ({cfg.sync.target}) averages parameters instead: use a policy "
                           "that all-reduces gradients (accumulate, always, amp_aware)")
