@@ -23,7 +23,6 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
     def recording(p):
         averager = p.policy.averager  # sync.groups with `every`: the LayerSync
-        after_window, finish = averager.after_window, averager.finish
         if torch.distributed.get_rank() == inf_rank:
             param = dict(p.engine.module.named_parameters())[inf_param]
             param.register_hook(lambda g: g * float("inf") if len(snaps) + 1 == inf_window
@@ -31,6 +30,16 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
         def params() -> dict[str, torch.Tensor]:
             return {n: q.detach().clone() for n, q in p.engine.module.named_parameters()}
+
+        if averager is None:  # nothing averaged: recorded by a worker's hook after each window
+            def hook(p, state, stepped):
+                snaps.append((state.windows, params()))
+                if state.done(p.trainer):  # the run's end: nothing left to average
+                    snaps.append(("finish", params()))
+
+            p.after_window.append(hook)
+            return p
+        after_window, finish = averager.after_window, averager.finish
 
         def after(model, windows_done):
             after_window(model, windows_done)
