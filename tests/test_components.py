@@ -21,7 +21,7 @@ from conftest import REPO
 from gradsync.config.schema import PrecisionConfig
 from gradsync.run.preflight import preflight
 from gradsync.sync.comm import PLAIN, ShardedSync, decides_per_bucket
-from gradsync.sync.policy import as_policy, whole_model
+from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 from gradsync.train.precision import build_precision
 
@@ -47,7 +47,7 @@ def test_a_policy_needs_only_should_sync(pool2, tmp_path):
     p = as_policy(SyncLast())
     # no roles: the engine gets the plain all-reduce, the loop no averager (no replica of a
     # rank's own, no window that ends without a gradient all-reduce)
-    assert p.name == "SyncLast" and p.wire is None and p.averager is None and not whole_model(p)
+    assert p.name == "SyncLast" and p.wire is None and p.averager is None
     wire = p.wire or PLAIN
     assert wire.comm_hook().wire_dtype is None and not decides_per_bucket(wire)
     model = torch.nn.Linear(3, 2)

@@ -10,15 +10,9 @@ import torch
 from torch import nn
 
 from gradsync.engines.trace import SyncTrace
-from gradsync.sync.averaging import Averager, float_state
+from gradsync.sync.averaging import Averager, float_state, whole_model
 from gradsync.sync.comm import CommCounts, CountingState, Probe, Wire
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
-
-
-def whole_model(averager: Averager | None) -> bool:
-    """The policy's averager keeps the whole model (local SGD, DiLoCo): no gradient all-reduce
-    after its warm-up, and each rank keeps its own buffers until it averages them."""
-    return averager is not None and averager.whole_model
 
 
 def grads_to_none(averager: Averager | None, gradient_as_bucket_view: bool) -> bool:

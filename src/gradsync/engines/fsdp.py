@@ -51,6 +51,7 @@ from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
+from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import PLAIN, CommCounts, ShardedSync, Wire
 from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import fsdp_param_groups, fsdp_reduces_unused
@@ -207,7 +208,7 @@ def check_config(engine: Any, can: Capabilities, check_replicas: int, sync: dict
                               "windows keeps each rank's own replica, which a sharded model has "
                               "not; use engine=torch_ddp")
     built = policy()
-    if built.averager is not None and built.averager.whole_model:
+    if whole_model(built.averager):
         raise ConfigError(f"sync policy {built.name!r} averages whole models (local SGD, "
                           f"DiLoCo), which {where} does not hold on any rank; use "
                           "engine=torch_ddp")

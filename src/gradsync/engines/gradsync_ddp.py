@@ -47,13 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.engines.allreduce import grads_to_none, policy_allreduce, whole_model
+from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.base import Capabilities
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
-from gradsync.sync.averaging import Averager
+from gradsync.sync.averaging import Averager, whole_model
 from gradsync.sync.comm import (
     CommCounts,
     CountingState,

@@ -75,6 +75,12 @@ class Averager:
         return False
 
 
+def whole_model(averager: Averager | None) -> bool:
+    """A policy's averager keeps the whole model (local SGD, DiLoCo): a window may end without
+    a gradient all-reduce, and each rank keeps its own buffers until it averages them."""
+    return averager is not None and averager.whole_model
+
+
 def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None,
              counts: CommCounts) -> None:
     """In place: every tensor becomes its mean over ranks, in ONE all-reduce of

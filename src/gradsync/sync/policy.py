@@ -81,12 +81,6 @@ AVERAGER = ("whole_model", "drift", "counters", "use_shared_memory", "start", "a
             "after_window", "finish", "in_sync", "local_step", "state_dict", "load_state_dict")
 
 
-def whole_model(policy: SyncPolicy) -> bool:
-    """The policy's averager keeps the whole model consistent: a window may end without a
-    gradient all-reduce."""
-    return policy.averager is not None and policy.averager.whole_model
-
-
 class Adopted(SyncPolicy):
     """A policy of a class of its own (no SyncPolicy subclass), held, not changed: its
     should_sync, its name, wire and averager if it has them (read from it), and its state_dict

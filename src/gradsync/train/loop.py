@@ -59,8 +59,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from gradsync.config.schema import TrainerConfig
 from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
+from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy, last_micro_batch, whole_model
+from gradsync.sync.policy import SyncPolicy, last_micro_batch
 from gradsync.train.callbacks import Done, callbacks
 from gradsync.train.lr_scaling import ScaledLR
 from gradsync.train.metrics import RunLog
@@ -197,7 +198,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
         meter.start_window()
     size, real_left = window.size, window.real
     should_sync, doomed_after = policy.should_sync, precision.window_doomed
-    averaged = whole_model(policy)
+    averaged = whole_model(policy.averager)
     doomed = False
     last_synced = -1  # the window's last micro-batch so far that synchronised
     for i in range(size):
