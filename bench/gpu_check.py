@@ -517,7 +517,7 @@ POLICIES: list[Costs] = [
     Costs("fp16", FP16, 2, 2, (PRECISION, SCALER),
           "2 (the GradScaler's inf/nan flags: precision.py's read and scaler.step's)"),
     Costs("amp_aware fp16 wire", [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"], ACCUM + 1,
-          ACCUM + 1, (PRECISION, SCALER, "gradsync/sync/policies.py"),
+          ACCUM + 1, (PRECISION, SCALER),
           f"{ACCUM + 1} (fp16's 2, and one per no_sync backward)"),
     Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_backwards=2"], 1, 0,
           ("ddp_comm_hooks/powerSGD_hook.py",),

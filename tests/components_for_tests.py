@@ -39,6 +39,15 @@ class SyncLast:
         return micro_index == window_size - 1
 
 
+class WireIsADtype:
+    """A policy whose `wire` is a dtype's name, not a Wire: refused before any worker starts."""
+
+    wire = "bf16"
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return True
+
+
 class CorruptRank1After:
     """accumulate, except that rank 1 nudges one parameter after window `window` (its
     averager, the role the loop calls after each window): a replica gone wrong, which the

@@ -139,6 +139,16 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     assert not (tmp_path / "checkpoints").exists()  # no step was taken
 
 
+def test_a_role_that_is_no_wire_or_averager_is_one_line_before_any_worker(tmp_path, monkeypatch,
+                                                                          capsys):
+    from test_config import TESTS, entry_point_error
+
+    line = entry_point_error(["sync=always", "sync._target_=components_for_tests.WireIsADtype"],
+                             TESTS, tmp_path, monkeypatch, capsys)
+    assert line == ("sync (components_for_tests.WireIsADtype): wire is a str, not a "
+                    "gradsync.sync.comm.Wire (subclass it) or None")
+
+
 @pytest.mark.dist
 def test_check_replicas_names_the_parameter_that_drifted(pool2, tmp_path):
     cfg = with_policy("components_for_tests.CorruptRank1After", ["trainer.check_replicas=1"],
