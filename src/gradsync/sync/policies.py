@@ -2,8 +2,8 @@
 ``accumulate`` and ``amp_aware`` (only a window's last micro-batch synchronises), which are one
 class, ``WindowSync``, built with different options: its wire (the bucket's own dtype, a low
 precision, PowerSGD factors, or per-layer rules) and fp16 overflow consensus (a field of the
-wire, carried out by the precision). Local SGD and DiLoCo
-are in local_sgd.py. The contract they implement is sync/policy.py's ``SyncPolicy``.
+wire, carried out by the precision). Local SGD and DiLoCo are in local_sgd.py. The contract
+they implement is sync/policy.py's ``SyncPolicy``.
 """
 
 from __future__ import annotations
