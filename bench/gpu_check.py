@@ -517,7 +517,7 @@ POLICIES: list[Costs] = [
     Costs("fp16", FP16, 2, 2, (PRECISION, SCALER),
           "2 (the GradScaler's inf/nan flags: precision.py's read and scaler.step's)"),
     Costs("amp_aware fp16 wire", [*FP16, "sync=amp_aware", "sync.comm_dtype=fp16"], ACCUM + 1,
-          ACCUM + 1, (PRECISION, SCALER, "gradsync/sync/policies.py"),
+          ACCUM + 1, (PRECISION, SCALER),
           f"{ACCUM + 1} (fp16's 2, and one per no_sync backward)"),
     Costs("PowerSGD", ["sync.compression=powersgd", "sync.powersgd_start_backwards=2"], 1, 0,
           ("ddp_comm_hooks/powerSGD_hook.py",),
@@ -719,7 +719,7 @@ def measure_policies(path: Path) -> None:
 
 def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     """SETUP set-up windows, then WINDOWS windows as train() runs them between two log steps
-    (run_window, optimizer_step, the policy's after_window), under set_sync_debug_mode("warn"):
+    (run_window, optimizer_step, the averager's after_window), under set_sync_debug_mode("warn"):
     the host syncs, by source line, and the peak of allocated GPU memory."""
     import torch
 
@@ -741,7 +741,9 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
     plan = plan_epoch(shard, p.micro_batch_size, ACCUM)
     batches = epoch_batches(p.loader, 0)
-    p.policy.start(p.engine.module, 0)
+    averager = p.policy.averager
+    if averager is not None:
+        averager.start(p.engine.module, 0)
 
     def window(k: int) -> None:  # train()'s window, but its logging
         run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
@@ -753,7 +755,8 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
         stepped, _ = optimizer_step(p, want_norm=False)
         if stepped:
             p.schedule.after_step(k + 1, p.noise)
-        p.policy.after_window(p.engine.module, k + 1)
+        if averager is not None:
+            averager.after_window(p.engine.module, k + 1)
 
     for k in range(SETUP):
         window(k)

@@ -17,11 +17,11 @@ from gradsync.config.schema import RunConfig
 from gradsync.data.contract import mse_per_sample
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.run.worker import build_parts
-from gradsync.sync.comm import install_counting_hook
+from gradsync.sync.comm import PLAIN, install_counting_hook
 from gradsync.train.loop import Progress, optimizer_step, run_window, train
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import BySamples
-from gradsync.train.precision import Precision
+from gradsync.train.precision import Precision, overflow_handling
 from gradsync.train.schedules import Window
 
 MICRO = [3, 3, 3, 3]  # one window of four micro-batches per rank
@@ -34,10 +34,10 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _fp16_parts(sync_cfg: dict, init_scale: float, model: torch.nn.Module):
     """What optimizer_step asks of the loop's Parts, for a DDP model under fp16."""
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    precision = Precision("fp16", "cpu", init_scale=init_scale)
     kwargs = {k: v for k, v in sync_cfg.items() if k != "name"}
     built = make_policy(sync_cfg["name"], uses_scaler=True, **kwargs)
-    counts = install_counting_hook(ddp, built.comm_hook())
+    precision = Precision("fp16", "cpu", init_scale=init_scale, **overflow_handling(built))
+    counts = install_counting_hook(ddp, (built.wire or PLAIN).comm_hook())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     return SimpleNamespace(engine=TorchDDP(ddp, counts), optimizer=opt,
                            lr_scheduler=LambdaLR(opt, lambda s: 1.0),
@@ -85,7 +85,7 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
             "grads_zeroed": all(q.grad is None or not q.grad.any() for q in engine.parameters()),
             "params": _params(engine.module),
         })
-    return {"initial": initial, "windows": windows, "overflow": vars(policy.overflow).copy(),
+    return {"initial": initial, "windows": windows, "overflow": vars(precision.overflow).copy(),
             "allreduce_bytes": counts.allreduce_bytes}
 
 
@@ -98,7 +98,7 @@ def train_all_ranks(cfg: dict) -> dict:
     state = train(p, Progress(), RunLog(Path("."), active=False))
     return {"initial": initial, "params": _params(p.engine.module), "step": state.step,
             "windows": state.windows, "scale": p.precision.scale,
-            "lr_steps": p.lr_scheduler.last_epoch, "overflow": vars(p.policy.overflow).copy(),
+            "lr_steps": p.lr_scheduler.last_epoch, "overflow": vars(p.precision.overflow).copy(),
             "sync_backwards": p.counts.sync_backwards, "allreduce_bytes": p.counts.allreduce_bytes,
             "allreduce_calls": p.counts.allreduce_calls, "last_loss": state.last_loss,
             "eval": state.last_eval}
@@ -121,6 +121,6 @@ def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
     scale_before = p.precision.scale
     stepped, _ = optimizer_step(p, want_norm=False)
     return {"stepped": stepped, "scale_before": scale_before, "scale_after": p.precision.scale,
-            "sync_backwards": counts.sync_backwards, "overflow": vars(p.policy.overflow).copy(),
+            "sync_backwards": counts.sync_backwards, "overflow": vars(p.precision.overflow).copy(),
             "moved": max((a - b).abs().max().item()
                          for a, b in zip(_params(model).values(), initial.values(), strict=True))}

@@ -11,6 +11,8 @@ from torch import nn
 
 from gradsync.components import CheckContext, checks
 from gradsync.data import provides
+from gradsync.sync.averaging import Averager
+from gradsync.sync.comm import Wire
 
 
 def _divide_by_zero(args: dict[str, Any], ctx: CheckContext) -> None:
@@ -37,15 +39,30 @@ class SyncLast:
         return micro_index == window_size - 1
 
 
+class WireIsADtype:
+    """A policy whose `wire` is a dtype's name, not a Wire: refused before any worker starts."""
+
+    wire = "bf16"
+
+    def should_sync(self, micro_index: int, window_size: int) -> bool:
+        return True
+
+
 class CorruptRank1After:
-    """accumulate, except that rank 1 nudges one parameter after window `window`: a replica
-    gone wrong, for trainer.check_replicas to catch."""
+    """accumulate, except that rank 1 nudges one parameter after window `window` (its
+    averager, the role the loop calls after each window): a replica gone wrong, which the
+    averager says is in sync, for trainer.check_replicas to catch."""
 
     def __init__(self, window: int = 3):
-        self.window = window
+        self.averager = Rank1Nudge(window)
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return micro_index == window_size - 1
+
+
+class Rank1Nudge(Averager):
+    def __init__(self, window: int):
+        self.window = window
 
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         if windows_done == self.window and torch.distributed.get_rank() == 1:
@@ -178,15 +195,23 @@ class LastLayerAtWindowEnd:
     def __init__(self, params: str = "4.*"):
         self.params = params
         self.last = False
+        self.wire = LastLayerWire(self)
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         self.last = micro_index == window_size - 1
         return True
 
+
+class LastLayerWire(Wire):
+    """LastLayerAtWindowEnd's wire: its per-bucket decisions."""
+
+    def __init__(self, policy: LastLayerAtWindowEnd):
+        self.policy = policy
+
     def sync_bucket(self, params: list[str]) -> bool:
         from fnmatch import fnmatchcase
 
-        return self.last or not any(fnmatchcase(p, self.params) for p in params)
+        return self.policy.last or not any(fnmatchcase(p, self.policy.params) for p in params)
 
 
 class NotAnException(BaseException):
@@ -194,11 +219,17 @@ class NotAnException(BaseException):
 
 
 class RaisesBaseException:
-    """accumulate, until rank 1 raises NotAnException after window 2."""
+    """accumulate, until rank 1 raises NotAnException after window 2 (in its averager, which
+    the loop calls after each window)."""
+
+    def __init__(self) -> None:
+        self.averager = RaisesAfterWindow2()
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return micro_index == window_size - 1
 
+
+class RaisesAfterWindow2(Averager):
     def after_window(self, model: nn.Module, windows_done: int) -> None:
         if windows_done == 2 and torch.distributed.get_rank() == 1:
             raise NotAnException("raised on rank 1 after window 2")

@@ -13,7 +13,8 @@ from torch import nn
 import dist_cases
 from gradsync.engines import build_engine
 from gradsync.engines.trace import SyncTrace, merge
-from gradsync.sync.comm import CommCounts, InnerHook
+from gradsync.sync.averaging import Averager
+from gradsync.sync.comm import CommCounts, InnerHook, Wire
 from gradsync.sync.policies import AlwaysSync, last_micro_batch
 from gradsync.train.memory import storage_bytes
 
@@ -47,13 +48,21 @@ class Net(nn.Module):
         return out
 
 
-class Recording(AlwaysSync):
+class WholeModel(Averager):
+    """An averager of the whole model that never averages: the engine leaves the buffers to
+    it."""
+
+    whole_model = True
+
+
+class Recording(AlwaysSync, Wire):
     """`always`, or accumulate's windows, with an all-reduce that records which parameters
-    each bucket holds and whether it is the last."""
+    each bucket holds and whether it is the last (the policy is its own wire)."""
 
     def __init__(self, accumulate: bool, names: dict[int, str]):
         self.accumulate, self.names = accumulate, names
         self.buckets: list[tuple[int, tuple[str, ...], bool]] = []
+        self.wire = self
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return not self.accumulate or last_micro_batch(micro_index, window_size)
@@ -113,7 +122,7 @@ def unused_error(engine: str) -> str:
     raise AssertionError("no error")
 
 
-def buffers_and_grads(engine: str, sync_parameters: bool) -> dict:
+def buffers_and_grads(engine: str, whole_model: bool) -> dict:
     """BatchNorm's running statistics (rank 0's broadcast in the forward that follows a
     synchronising one) and gradient_as_bucket_view off: every rank's buffers and gradients
     after each of 4 micro-batches (windows of 2)."""
@@ -125,7 +134,7 @@ def buffers_and_grads(engine: str, sync_parameters: bool) -> dict:
             for p in model.parameters():
                 p.add_(1.0)
     policy = Recording(True, {id(p): n for n, p in model.named_parameters()})
-    policy.syncs_parameters = sync_parameters  # buffers then stay each rank's own
+    policy.averager = WholeModel() if whole_model else None  # buffers: each rank's own
     eng = build_engine(engine, model=model, policy=policy, device=torch.device("cpu"),
                        world_size=2, counts=CommCounts(), allreduce="process_group",
                        gradient_as_bucket_view=False)

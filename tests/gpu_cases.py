@@ -81,7 +81,7 @@ def powersgd_rng() -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
     policy = as_policy(AccumulateSync("powersgd", powersgd_rank=1, powersgd_start_backwards=2))
-    install_counting_hook(ddp, policy.comm_hook())
+    install_counting_hook(ddp, policy.wire.comm_hook())
     torch.cuda.manual_seed(123)
     unchanged = []
     for _ in range(4):  # exact, exact, then compressed (the hook seeds its Q here)

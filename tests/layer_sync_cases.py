@@ -22,7 +22,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     snaps: list[tuple] = []
 
     def recording(p):
-        after_window, finish = p.policy.after_window, p.policy.finish
+        averager = p.policy.averager  # sync.groups with `every`: the LayerSync
         if torch.distributed.get_rank() == inf_rank:
             param = dict(p.engine.module.named_parameters())[inf_param]
             param.register_hook(lambda g: g * float("inf") if len(snaps) + 1 == inf_window
@@ -30,6 +30,16 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
         def params() -> dict[str, torch.Tensor]:
             return {n: q.detach().clone() for n, q in p.engine.module.named_parameters()}
+
+        if averager is None:  # nothing averaged: recorded by a worker's hook after each window
+            def hook(p, state, stepped):
+                snaps.append((state.windows, params()))
+                if state.done(p.trainer):  # the run's end: nothing left to average
+                    snaps.append(("finish", params()))
+
+            p.after_window.append(hook)
+            return p
+        after_window, finish = averager.after_window, averager.finish
 
         def after(model, windows_done):
             after_window(model, windows_done)
@@ -39,7 +49,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
             finish(model)
             snaps.append(("finish", params()))
 
-        p.policy.after_window, p.policy.finish = after, done  # type: ignore[method-assign]
+        averager.after_window, averager.finish = after, done  # type: ignore[method-assign]
         return p
 
     summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)

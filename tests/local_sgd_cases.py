@@ -27,28 +27,28 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     shm_used = []  # True per averaging that went through the shared-memory slots
 
     def recording(p):
-        policy = p.policy  # the LocalSGD / DiLoCo policy object
+        policy = p.policy  # the LocalSGD / DiLoCo policy object, its own averager
         after_window, finish = policy.after_window, policy.finish
 
         def through_slots(average, *args):
             """average(*args); if it averaged, whether this rank's slot was written."""
             slots = policy.slots
             before = None if slots is None else slots.slots[dist.get_rank(), :8].clone()
-            policy.replica_drift = None
+            policy.drift = None
             average(*args)
-            if policy.replica_drift is not None:
+            if policy.drift is not None:
                 shm_used.append(before is not None and not torch.equal(
                     before, slots.slots[dist.get_rank(), :8]))
 
         def after(model, windows_done):
             through_slots(after_window, model, windows_done)
-            snaps.append((windows_done, policy.replica_drift is not None, flat(model)))
+            snaps.append((windows_done, policy.drift is not None, flat(model)))
             scales.append(p.precision.scale)
 
         def done(model):
-            before = policy.averaging.averagings
+            before = policy.counters.averagings
             through_slots(finish, model)
-            snaps.append(("finish", policy.averaging.averagings > before, flat(model)))
+            snaps.append(("finish", policy.counters.averagings > before, flat(model)))
 
         policy.after_window, policy.finish = after, done
         if dist.get_rank() == inf_rank:

@@ -18,11 +18,11 @@ from gradsync.data.synthetic import synthetic
 from gradsync.data.tokens import IGNORE_INDEX, pad_batch, token_loss_per_sample
 from gradsync.engines.torch_ddp import TorchDDP
 from gradsync.models import MLP
-from gradsync.sync.comm import install_counting_hook
+from gradsync.sync.comm import PLAIN, install_counting_hook
 from gradsync.train.loop import run_window
 from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import build_normalizer
-from gradsync.train.precision import Precision
+from gradsync.train.precision import Precision, overflow_handling
 from gradsync.train.schedules import Window
 
 
@@ -107,14 +107,14 @@ def one_window_samples(policy_name: str, micro_sizes: list[list[int]], wire: dic
     ddp = DistributedDataParallel(tiny_model(), gradient_as_bucket_view=True)
     built = policy(policy_name, uses_scaler=precision == "fp16", **wire)
     meter = NoiseScale(world, torch.device("cpu"), "samples", 0.5, ddp.module.parameters())
-    install_counting_hook(ddp, built.comm_hook(), probe=meter.probe)
+    install_counting_hook(ddp, (built.wire or PLAIN).comm_hook(), probe=meter.probe)
     width = max(max(m) for m in micro_sizes)
     data = window_data(3, world, [width] * len(micro_sizes[0]))
     mine = data[rank]
     real = [micro_sizes[r] for r in range(world)]
     local = width * len(mine)
     window = Window(0, len(mine), local, sum(real[rank]), sum(map(sum, real)))
-    prec = Precision(precision, "cpu", init_scale=init_scale)
+    prec = Precision(precision, "cpu", init_scale=init_scale, **overflow_handling(built))
     norm = build_normalizer("samples", "samples", world, torch.device("cpu"), 1.0)
     run_window(TorchDDP(ddp), iter(mine), window, built, prec, mse_per_sample,
                torch.device("cpu"), norm, meter)
@@ -130,7 +130,7 @@ def one_window_tokens(policy_name: str) -> dict:
     ddp = DistributedDataParallel(tiny_lm(), gradient_as_bucket_view=True)
     built = policy(policy_name)
     meter = NoiseScale(world, torch.device("cpu"), "tokens", 0.5, ddp.module.parameters())
-    install_counting_hook(ddp, built.comm_hook(), probe=meter.probe)
+    install_counting_hook(ddp, (built.wire or PLAIN).comm_hook(), probe=meter.probe)
     mine = [pad_batch(seqs) for seqs in lm_window_batches()[rank]]
     samples = sum(len(x) for x, _ in mine)
     norm = build_normalizer("tokens", "tokens", world, torch.device("cpu"), 20.0)

@@ -66,7 +66,7 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
         assert module == "gradsync_runs" and name in harness.SELF_COUNTING
         cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
         built = build(cfg["sync"])
-        assert (built.name, built.every, built.syncs_parameters) == (policy, 8, True)
+        assert (built.name, built.every, built.averager.whole_model) == (policy, 8, True)
 
 
 def test_the_startup_table_gives_each_variant_as_a_multiple_of_the_floor():

@@ -18,9 +18,12 @@ import dist_cases
 from components_for_tests import SyncLast
 from configs import SAME, losses, plain_cfg
 from conftest import REPO
+from gradsync.config.schema import PrecisionConfig
 from gradsync.run.preflight import preflight
+from gradsync.sync.comm import PLAIN, ShardedSync, decides_per_bucket
 from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
+from gradsync.train.precision import build_precision
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
@@ -42,18 +45,21 @@ def test_a_policy_needs_only_should_sync(pool2, tmp_path):
     window's last micro-batch only, it trains bitwise what the built-in accumulate trains:
     the same rows, counters and parameters."""
     p = as_policy(SyncLast())
-    assert p.name == "SyncLast" and not p.syncs_parameters and not p.own_replicas
-    assert p.comm_hook().wire_dtype is None and p.replicas_in_sync()
+    # no roles: the engine gets the plain all-reduce, the loop no averager (no replica of a
+    # rank's own, no window that ends without a gradient all-reduce)
+    assert p.name == "SyncLast" and p.wire is None and p.averager is None
+    wire = p.wire or PLAIN
+    assert wire.comm_hook().wire_dtype is None and not decides_per_bucket(wire)
     model = torch.nn.Linear(3, 2)
-    assert p.bind(model) == []  # the engine all-reduces every parameter
+    assert wire.bind(model) == []  # the engine all-reduces every parameter
+    assert wire.sharded_sync(["weight", "bias"]) == {n: ShardedSync("rest", None, "boundary",
+                                                                    "boundary")
+                                                     for n in ("weight", "bias")}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert not p.window_doomed(model, 0, 2)
-    p.after_step(True)
-    p.start(model, 0)
-    p.after_window(model, 1)
-    p.finish(model)
+    fp16 = build_precision(PrecisionConfig(name="fp16"), "cpu", p)
+    assert fp16.consensus is None and not fp16.window_doomed(model, 0, 2)  # no overflow check
+    wire.after_step(True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert p.replica_drift is None and p.averaging is None
 
     own, _ = pool2.run(dist_cases.train_run_rows, with_policy("components_for_tests.SyncLast"),
                        str(tmp_path / "own"))
@@ -131,6 +137,16 @@ def test_the_loss_and_correct_contracts_are_checked_on_the_first_micro_batch(poo
     for m in messages:
         assert m.startswith(expected), m
     assert not (tmp_path / "checkpoints").exists()  # no step was taken
+
+
+def test_a_role_that_is_no_wire_or_averager_is_one_line_before_any_worker(tmp_path, monkeypatch,
+                                                                          capsys):
+    from test_config import TESTS, entry_point_error
+
+    line = entry_point_error(["sync=always", "sync._target_=components_for_tests.WireIsADtype"],
+                             TESTS, tmp_path, monkeypatch, capsys)
+    assert line == ("sync (components_for_tests.WireIsADtype): wire is a str, not a "
+                    "gradsync.sync.comm.Wire (subclass it) or None")
 
 
 @pytest.mark.dist

@@ -75,16 +75,16 @@ def test_buffers_and_copied_gradients_as_torch_ddp(pool2):
     start broadcast makes rank 1's different initial parameters rank 0's;
     gradient_as_bucket_view=false."""
     rank1 = {}
-    for syncs_parameters in (False, True):
-        theirs = pool2.run(engine_cases.buffers_and_grads, "torch_ddp", syncs_parameters)
-        ours = pool2.run(engine_cases.buffers_and_grads, "gradsync", syncs_parameters)
+    for whole_model in (False, True):
+        theirs = pool2.run(engine_cases.buffers_and_grads, "torch_ddp", whole_model)
+        ours = pool2.run(engine_cases.buffers_and_grads, "gradsync", whole_model)
         for t, o in zip(theirs, ours, strict=True):
             for (tb, tg), (ob, og) in zip(t["steps"], o["steps"], strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(ob, tb, strict=True))
                 assert all(torch.equal(a, b) for a, b in zip(og, tg, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(ours[0]["start"], ours[1]["start"],
                                                      strict=True))
-        rank1[syncs_parameters] = ours[1]["steps"][2][0][0]  # after the 3rd forward
+        rank1[whole_model] = ours[1]["steps"][2][0][0]  # after the 3rd forward
     # the broadcast before it (the 2nd backward synchronised) changed rank 1's statistics
     assert not torch.equal(rank1[False], rank1[True])
 

@@ -160,17 +160,39 @@ def test_a_renamed_option_on_the_command_line_names_the_new_one(tmp_path, monkey
 def test_the_contract_page_lists_exactly_the_members_gradsync_calls():
     import re
 
-    from gradsync.sync.policy import OPTIONAL, Adopted, SyncPolicy
+    from gradsync.sync.averaging import Averager
+    from gradsync.sync.comm import Wire
+    from gradsync.sync.policy import AVERAGER, OPTIONAL, WIRE, Adopted, SyncPolicy, as_policy
 
     page = (Path(__file__).parents[1] / "docs" / "components.md").read_text()
-    table = page.split("| member | default | what for |")[1].split("\n\n")[0]
-    listed = {name for row in table.splitlines()[2:]
-              for name in re.findall(r"`(\w+)(?:\([^`]*\))?`", row.split(" | ")[0])}
-    attributes = {"name", "syncs_parameters", "own_replicas", "replica_drift", "averaging"}
-    assert listed == {"should_sync", *OPTIONAL, *attributes}
-    # the base class's members are those (its own counters aside), and an Adopted reads the
-    # attributes from the object it holds
-    base = {n for n in vars(SyncPolicy) if not n.startswith("_")} - {"overflow"}
-    assert base == {"should_sync", *OPTIONAL, *attributes} - {"state_dict", "load_state_dict"}
+
+    def listed(header: str) -> set[str]:
+        table = page.split(f"| {header} | default | what for |")[1].split("\n\n")[0]
+        return {name for row in table.splitlines()[2:]
+                for name in re.findall(r"`(\w+)(?:\([^`]*\))?`", row.split(" | ")[0])}
+
+    # the policy's own table, and one per role
+    assert listed("member") == {"should_sync", *OPTIONAL}
+    assert listed("wire member") == set(WIRE)
+    assert listed("averager member") == set(AVERAGER)
+    # the base classes' members are those (state_dict / load_state_dict: what a checkpoint
+    # calls on any component that has them, no default)
+    checkpoint_only = {"state_dict", "load_state_dict"}
+    assert {n for n in vars(SyncPolicy) if not n.startswith("_")} == (
+        {"should_sync", *OPTIONAL} - checkpoint_only)
+    assert {n for n in vars(Wire) if not n.startswith("_")} == set(WIRE)
+    assert {n for n in vars(Averager) if not n.startswith("_")} == set(AVERAGER) - checkpoint_only
+    # an Adopted has no members of its own: it reads the roles from the object it holds
     held = {n for n in vars(Adopted) if not n.startswith("_")}
-    assert held - {"name"} == attributes - {"name"}  # its name: the held class's
+    assert held - {"name"} == set()  # its name: the held class's
+
+    class Own:
+        wire, averager = Wire(), Averager()
+
+        def should_sync(self, micro_index: int, window_size: int) -> bool:
+            return True
+
+    own = Own()
+    adopted = as_policy(own)
+    assert isinstance(adopted, Adopted) and type(own) is Own  # its class left as it is
+    assert (adopted.name, adopted.wire, adopted.averager) == ("Own", own.wire, own.averager)

@@ -15,12 +15,14 @@ import amp_cases
 import dist_cases
 from dist_cases import TARGETS
 from gradsync.components import build
+from gradsync.config.schema import PrecisionConfig
 from gradsync.config.validate import ConfigError
 from gradsync.core.dtypes import autocast_runs
 from gradsync.run.placement import Placement
 from gradsync.run.preflight import preflight
 from gradsync.sync.policies import AccumulateSync, AmpAwareSync
 from gradsync.train import checkpoint
+from gradsync.train.precision import OverflowConsensus, build_precision, never_doomed
 from test_config import compose_plain
 from test_torch_ddp import synthetic_cfg
 
@@ -105,18 +107,27 @@ def test_fp16_all_reduce_needs_the_fp16_scaler():
 def test_amp_aware_syncs_like_accumulate_and_checks_overflows_only_with_the_scaler():
     cfg = compose_plain(["sync=amp_aware"])["sync"]
 
-    def built(node: dict, uses_scaler: bool = False) -> AmpAwareSync:
-        return build(node, {"uses_scaler": uses_scaler})
+    def built(node: dict) -> AmpAwareSync:
+        return build(node, {"uses_scaler": True})
 
-    amp, acc = built(cfg, uses_scaler=True), AccumulateSync()
+    def consensus(policy: AmpAwareSync, precision: str = "fp16") -> OverflowConsensus | None:
+        """The overflow consensus the run's precision carries out for the policy."""
+        made = build_precision(PrecisionConfig(name=precision), "cpu", policy)
+        doomed = made.window_doomed is not never_doomed
+        assert doomed == (made.consensus is not None)  # no consensus: never a doomed window
+        return made.consensus
+
+    amp, acc = built(cfg), AccumulateSync()
     for n in (1, 3, 4):
         assert [amp.should_sync(i, n) for i in range(n)] == [acc.should_sync(i, n)
                                                              for i in range(n)]
-    assert amp.comm_hook().wire_dtype == torch.bfloat16 and acc.comm_hook().wire_dtype is None
-    assert built({**cfg, "comm_dtype": "fp32"}).comm_hook().wire_dtype is None
-    assert isinstance(amp, AmpAwareSync) and amp.consensus is not None
-    assert built(cfg, uses_scaler=False).consensus is None  # bf16/fp32: no scaler, no check
-    assert built({**cfg, "overflow_consensus": False}, uses_scaler=True).consensus is None
+    assert amp.wire.comm_hook().wire_dtype == torch.bfloat16
+    assert acc.wire.comm_hook().wire_dtype is None
+    assert built({**cfg, "comm_dtype": "fp32"}).wire.comm_hook().wire_dtype is None
+    assert isinstance(amp, AmpAwareSync) and consensus(amp) is not None
+    assert consensus(amp, "bf16") is None  # bf16/fp32: no scaler, no check
+    assert consensus(built({**cfg, "overflow_consensus": False})) is None
+    assert consensus(acc) is None
 
 
 # --- real 2-process runs ---------------------------------------------------------------------

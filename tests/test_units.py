@@ -202,5 +202,6 @@ def test_a_new_engine_is_its_module_registering_it(tmp_path, monkeypatch):
     assert engines.ENGINES["planted"].engine.__name__ == "Planted"
     assert engines.able("per_bucket") == ["gradsync", "planted"]
     assert engines.capabilities("planted").compile_min_bucket_mb == 2.5
-    built = engines.build_engine("planted", model="m", world_size=3, counts=None, compile=None)
+    built = engines.build_engine("planted", AlwaysSync(), model="m", world_size=3, counts=None,
+                                 compile=None)
     assert (built.model, built.world_size) == ("m", 3)  # only the keywords it names

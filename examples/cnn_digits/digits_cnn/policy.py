@@ -1,15 +1,13 @@
 """A sync policy of one's own: synchronise every micro-batch for the first windows (a warm-up
 whose every intermediate gradient is global), then only the last micro-batch of each window.
 
-A policy needs only should_sync; every other hook of gradsync.sync.policy.SyncPolicy is optional.
-This one also counts windows through after_window, and keeps that count in checkpoints through
-state_dict / load_state_dict, so a resumed run continues exactly."""
+A policy needs only should_sync (gradsync.sync.policy.SyncPolicy's one method). This one counts
+the windows it has seen end (at each window's last micro-batch), and keeps that count in
+checkpoints through state_dict / load_state_dict, so a resumed run continues exactly."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from torch import nn
 
 from gradsync.components import CheckContext, checks, require
 
@@ -28,10 +26,10 @@ class WarmupAlways:
         self.windows_done = 0
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
-        return self.windows_done < self.warmup_windows or micro_index == window_size - 1
-
-    def after_window(self, model: nn.Module, windows_done: int) -> None:
-        self.windows_done = windows_done
+        last = micro_index == window_size - 1
+        sync = self.windows_done < self.warmup_windows or last
+        self.windows_done += last  # this window ends with this micro-batch
+        return sync
 
     def state_dict(self) -> dict[str, int]:
         return {"windows_done": self.windows_done}

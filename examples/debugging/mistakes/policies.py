@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gradsync.sync.averaging import Averager
+
 
 class NeverSync:
     """Every micro-batch inside no_sync(): the widely copied accumulation loop whose
@@ -20,14 +22,21 @@ class SyncsFirst:
         return micro_index == 0
 
 
+class NeverAverages(Averager):
+    """An averager of the whole model that never averages, yet says the replicas are in sync."""
+
+    whole_model = True  # the loop lets windows end without an all-reduce
+
+    def in_sync(self) -> bool:
+        return True  # the lie the replica check catches
+
+
 class ForgetsToAverage:
     """Local SGD that never averages, yet tells the loop its replicas are in sync: nothing
     stops the replicas drifting apart but trainer.check_replicas."""
 
-    syncs_parameters = True  # the loop lets windows end without an all-reduce
+    def __init__(self) -> None:
+        self.averager = NeverAverages()
 
     def should_sync(self, micro_index: int, window_size: int) -> bool:
         return False
-
-    def replicas_in_sync(self) -> bool:
-        return True  # the lie the replica check catches

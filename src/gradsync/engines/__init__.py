@@ -15,6 +15,8 @@ from typing import Any
 from gradsync.components import parameters, require
 from gradsync.config.schema import EngineConfig
 from gradsync.engines.base import Capabilities, Engine, Registered
+from gradsync.sync.comm import PLAIN
+from gradsync.sync.policy import SyncPolicy
 
 
 def _collect() -> dict[str, Registered]:
@@ -45,9 +47,12 @@ def able(capability: str) -> list[str]:
     return [name for name, r in ENGINES.items() if getattr(r.engine.capabilities, capability)]
 
 
-def build_engine(name: str, **kwargs: Any) -> Engine:
+def build_engine(name: str, policy: SyncPolicy, **kwargs: Any) -> Engine:
     """The engine `name`, given the keywords its builder names (as components get the run-time
-    arguments they name): the worker offers every trainer setting an engine may need."""
+    arguments they name): the worker offers every trainer setting an engine may need. Of the
+    policy an engine gets its two roles, never the policy: `wire` (None: the plain all-reduce)
+    and `averager`."""
+    kwargs |= {"wire": policy.wire or PLAIN, "averager": policy.averager}
     builder = ENGINES[name].build
     accepted = parameters(builder)
     return builder(**{k: v for k, v in kwargs.items() if k in accepted})

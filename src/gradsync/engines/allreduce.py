@@ -1,5 +1,5 @@
 """The policy's gradient all-reduce, as the data-parallel engines run it (torch_ddp and gradsync
-alike): the policy's comm hook (``policy.comm_hook()``: DDP's all-reduce in the bucket's dtype
+alike): the wire's comm hook (``policy.wire.comm_hook()``: DDP's all-reduce in the bucket's dtype
 or a wire dtype, PowerSGD, sync.groups' per-group wires), through the shared-memory transport
 where ``engine.allreduce`` allows it (CPU ranks of one host, sync/shm_allreduce.py), inside
 gradsync's counting hook (sync/comm.py), which also feeds the sync trace."""
@@ -10,34 +10,34 @@ import torch
 from torch import nn
 
 from gradsync.engines.trace import SyncTrace
-from gradsync.sync.averaging import float_state
-from gradsync.sync.comm import CommCounts, CountingState, Probe
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.averaging import Averager, float_state, whole_model
+from gradsync.sync.comm import CommCounts, CountingState, Probe, Wire
 from gradsync.sync.shm_allreduce import over_shared_memory, shm_hook
 
 
-def grads_to_none(policy: SyncPolicy, gradient_as_bucket_view: bool) -> bool:
+def grads_to_none(averager: Averager | None, gradient_as_bucket_view: bool) -> bool:
     """Whether zero_grad sets the gradients to None: when they are not views into the buckets,
-    or when the policy syncs parameters, which has (after its warm-up) no synchronising
+    or when an averager keeps the whole model, which has (after its warm-up) no synchronising
     backward: None spares the zeroing pass and the backward's accumulation into the zeros."""
-    return not gradient_as_bucket_view or policy.syncs_parameters
+    return not gradient_as_bucket_view or whole_model(averager)
 
 
-def policy_allreduce(model: nn.Module, policy: SyncPolicy, device: torch.device,
+def policy_allreduce(model: nn.Module, wire: Wire, averager: Averager | None,
+                     device: torch.device,
                      world_size: int, allreduce: str, counts: CommCounts,
                      trace: SyncTrace | None = None,
                      probe: Probe | None = None) -> tuple[CountingState, str]:
-    """The counting hook's state around the policy's all-reduce, and the transport it takes:
+    """The counting hook's state around the wire's all-reduce, and the transport it takes:
     shared_memory or process_group. Collective (the shared-memory slots are mapped by every
     rank)."""
-    inner = policy.comm_hook()
+    inner = wire.comm_hook()
     if device.type == "cpu" and world_size > 1 and allreduce != "process_group":
         # a slot holds the gradients, or what a policy's averaging sends (float buffers too)
         params, buffers = float_state(model)
-        inner = over_shared_memory(inner, params + buffers if policy.syncs_parameters
+        inner = over_shared_memory(inner, params + buffers if whole_model(averager)
                                    else params, allreduce)
     shared = inner.hook is shm_hook
-    if shared:  # a policy that averages by itself may use the same slots
-        policy.use_shared_memory(inner.state)
+    if shared and averager is not None:  # the averager may use the same slots
+        averager.use_shared_memory(inner.state)
     transport = "shared_memory" if shared else "process_group"
     return CountingState(counts, inner, trace, probe=probe), transport

@@ -18,10 +18,12 @@ An engine is built by a function its module registers (``ENGINES = {name: Regist
 build)}`` at the module's end; ``gradsync.engines`` collects them) under its name
 (``engine=<name>``, conf/engine/<name>.yaml), beside its class, whose ``capabilities`` say what
 it can carry out (the checks before any worker starts and the worker read those, never the
-engine's name). It is built from the model, the policy (its ``bind`` names the parameters the
-engine must leave alone, its ``comm_hook`` is the all-reduce to run), the rank's placement and
-the engine settings (``engine.*``); it counts what it puts on the wire in the run's
-``CommCounts``.
+engine's name). It is built from the model, the policy's wire (sync/comm.py ``Wire``: its
+``bind`` names the parameters the engine must leave alone, its ``comm_hook`` is the all-reduce
+to run, ``sharded_sync`` a sharded engine's reductions, ``sync_bucket`` per-bucket decisions)
+and averager (``whole_model``: buffers left to it; the shared-memory slots), the rank's
+placement and the engine settings (``engine.*``); it counts what it puts on the wire in the
+run's ``CommCounts``.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ class Engine(Protocol):
 
     def align_buffers(self) -> None:
         """Collective, before each evaluation and each checkpoint: rank 0's buffers on every
-        rank (engines/buffers.py), so the model evaluated is the model saved; a policy that
-        trains replicas apart keeps each rank's own."""
+        rank (engines/buffers.py), so the model evaluated is the model saved; an averager of
+        the whole model keeps each rank's own."""
         ...
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:

@@ -7,8 +7,8 @@ forward the ranks' buffers differ; FSDP2 never syncs them. Checkpoints keep rank
 engines: rank 0 saves the model; FSDP: DCP saves a replicated tensor once, from rank 0). So the
 choice here is **rank 0's, broadcast** (not the mean): what DDP's next forward would do anyway,
 what every checkpoint holds, and on the DDP engines it changes no bit of training. A policy
-that trains replicas apart (local SGD, DiLoCo: ``syncs_parameters``) keeps each rank's own, and
-buffers a policy keeps consistent itself (``policy.bind``) are left to it.
+whose averager trains the replicas apart (local SGD, DiLoCo: ``whole_model``) keeps each rank's
+own, and buffers an averager keeps (``wire.bind``) are left to it.
 
 ``engine.sync_batchnorm=true`` (the DDP engines) goes further: every BatchNorm layer becomes
 ``torch.nn.SyncBatchNorm``, whose training forward normalises with the statistics of every

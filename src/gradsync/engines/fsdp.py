@@ -51,7 +51,8 @@ from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
-from gradsync.sync.comm import CommCounts, ShardedSync
+from gradsync.sync.averaging import whole_model
+from gradsync.sync.comm import PLAIN, CommCounts, ShardedSync, Wire
 from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import fsdp_param_groups, fsdp_reduces_unused
 from gradsync.train.memory import MemoryMeter, local, storage_bytes
@@ -110,14 +111,14 @@ class UnitPlan:
     nbytes: int
 
 
-def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan]:
+def plan_units(model: nn.Module, rule: str, wire: Wire) -> list[UnitPlan]:
     """The units, their parameters and how each reduces its gradients; ConfigError where one
     unit's parameters fall under rules that ask for different reductions (one unit is one
     reduce-scatter)."""
     units = unit_names(model, rule)
     owned = unit_parameters(model, units)
     params = dict(model.named_parameters())
-    plan = policy.sharded_sync(list(params))
+    plan = wire.sharded_sync(list(params))
     out = []
     for unit in units:
         names = owned[unit]
@@ -134,15 +135,16 @@ def plan_units(model: nn.Module, rule: str, policy: SyncPolicy) -> list[UnitPlan
     return out
 
 
-def unit_table(model: nn.Module, rule: str, policy: SyncPolicy, hsdp: bool) -> str:
-    """+inspect=params under a sharded engine: each unit, its parameters and reduction."""
+def unit_table(model: nn.Module, rule: str, wire: Wire, hsdp: bool) -> str:
+    """+inspect=params under a sharded engine: each unit, its parameters and reduction (wire:
+    the policy's)."""
     lines = ["FSDP units (engine.fsdp_units), innermost first:"]
-    for u in plan_units(model, rule, policy):
-        wire = _dtype_name(u.sync.wire) or "the gradients' dtype"
+    for u in plan_units(model, rule, wire):
+        dtype = _dtype_name(u.sync.wire) or "the gradients' dtype"
         replicas = f", replica_all_reduce={u.sync.replica_all_reduce}" if hsdp else ""
         lines.append(f"  {u.name or '<root>'}: {len(u.params)} tensors, {u.nbytes} bytes, group "
                      f"{u.sync.group}, reduce_scatter={u.sync.reduce_scatter}{replicas}, "
-                     f"reduced in {wire}")
+                     f"reduced in {dtype}")
     return "\n".join(lines)
 
 
@@ -206,11 +208,11 @@ def check_config(engine: Any, can: Capabilities, check_replicas: int, sync: dict
                               "windows keeps each rank's own replica, which a sharded model has "
                               "not; use engine=torch_ddp")
     built = policy()
-    if built.syncs_parameters:
+    if whole_model(built.averager):
         raise ConfigError(f"sync policy {built.name!r} averages whole models (local SGD, "
                           f"DiLoCo), which {where} does not hold on any rank; use "
                           "engine=torch_ddp")
-    plan_units(model(), engine.fsdp_units, built)
+    plan_units(model(), engine.fsdp_units, built.wire or PLAIN)
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -435,7 +437,7 @@ def _hosts() -> int:
     return len(set(names))
 
 
-def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device,
+def _build(name: str, model: nn.Module, wire: Wire, device: torch.device,
            world_size: int, counts: CommCounts, memory: MemoryMeter | None, precision: str,
            fsdp_units: str, replicas: int, find_unused: bool = False,
            compile: Compile | None = None) -> FSDPEngine:
@@ -446,10 +448,10 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
     # torch 2.13 warns once per process when a unit's forward returns a view (a Linear on a
     # 3-D input does); the loop never modifies a forward's output in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    if policy.bind(model):
+    if wire.bind(model):
         raise ConfigError("a sync policy that averages parameter groups itself cannot run on "
                           f"engine={name}")
-    plan = plan_units(model, fsdp_units, policy)
+    plan = plan_units(model, fsdp_units, wire)
     replicate = 1
     if name == "hsdp":
         replicate = replicas or _hosts()
@@ -492,23 +494,23 @@ def _build(name: str, model: nn.Module, policy: SyncPolicy, device: torch.device
     return engine
 
 
-def build_fsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
+def build_fsdp(model: nn.Module, wire: Wire, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
                fsdp_units: str = AUTO_UNITS, find_unused_parameters: bool = False,
                compile: Compile | None = None) -> FSDPEngine:
-    """FSDP over every rank (a 1-D mesh)."""
-    return _build("fsdp", model, policy, device, world_size, counts, memory, precision,
+    """FSDP over every rank (a 1-D mesh), reducing as the policy's wire plans (sharded_sync)."""
+    return _build("fsdp", model, wire, device, world_size, counts, memory, precision,
                   fsdp_units, 1, find_unused_parameters, compile)
 
 
-def build_hsdp(model: nn.Module, policy: SyncPolicy, device: torch.device, world_size: int,
+def build_hsdp(model: nn.Module, wire: Wire, device: torch.device, world_size: int,
                counts: CommCounts, memory: MemoryMeter | None = None, precision: str = "fp32",
                fsdp_units: str = AUTO_UNITS, replicas: int = 0,
                find_unused_parameters: bool = False,
                compile: Compile | None = None) -> FSDPEngine:
     """HSDP: shard inside world / replicas ranks, replicate across `replicas` (0: one per
     host) such groups (a 2-D mesh)."""
-    return _build("hsdp", model, policy, device, world_size, counts, memory, precision,
+    return _build("hsdp", model, wire, device, world_size, counts, memory, precision,
                   fsdp_units, replicas, find_unused_parameters, compile)
 
 

@@ -6,7 +6,7 @@ and the same all-reduce it trains the same bits as torch_ddp (tests/test_gradsyn
 Its life, each step below commented once where the code does it:
 
 1. **Start**: rank 0's parameters and buffers are broadcast, so every replica starts alike;
-   the parameters the policy keeps consistent itself (``policy.bind``) are left alone.
+   the parameters the policy's averager keeps (``wire.bind``) are left alone.
 2. **Buckets**: the gradients are assigned to flat buffers as torch's DDP assigns them, by its
    own function (``dist._compute_bucket_assignment_by_size``): for the first synchronising
    backward all in one bucket (per dtype), then rebuilt once in the order the gradients became
@@ -15,15 +15,15 @@ Its life, each step below commented once where the code does it:
 3. **Forward**: the micro-batch's ``sync`` decides whether the next backward synchronises (so
    the forward must run inside ``micro_batch`` too, as with ``no_sync()``); rank 0's buffers
    are broadcast before a forward that follows a synchronising one (torch's rule), unless the
-   policy syncs the parameters itself (local SGD keeps each rank's buffers until it averages).
+   averager keeps the whole model (local SGD keeps each rank's buffers until it averages).
 4. **Backward**: autograd accumulates each gradient (into its bucket view); the parameter's
    post-accumulate-grad hook then does nothing more in a no_sync backward, and in a
    synchronising one moves the gradient into its bucket; a bucket whose gradients are all in
    has its all-reduce launched at once, asynchronously, in bucket order (every rank issues the
    collectives in the same order), overlapping the rest of the backward. The all-reduce is the
-   policy's comm hook inside the counting hook (engines/allreduce.py), handed a bucket object
-   with the methods of torch's ``dist.GradBucket`` (``HookBucket``). A bucket the policy keeps
-   local (``policy.sync_bucket``) is left as it is: its gradients accumulate on.
+   wire's comm hook inside the counting hook (engines/allreduce.py), handed a bucket object
+   with the methods of torch's ``dist.GradBucket`` (``HookBucket``). A bucket the wire keeps
+   local (``wire.sync_bucket``) is left as it is: its gradients accumulate on.
 5. **End of the backward** (autograd's final callback, as torch's reducer): parameters that got
    no gradient are an error, or with find_unused_parameters go out as zeros (a parameter unused
    on every rank keeps its gradient); then each bucket's future is waited on (on CUDA a stream
@@ -53,8 +53,16 @@ from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import unused_error
-from gradsync.sync.comm import CommCounts, CountingState, Probe, counting_hook, to_device
-from gradsync.sync.policy import SyncPolicy, decides_per_bucket
+from gradsync.sync.averaging import Averager, whole_model
+from gradsync.sync.comm import (
+    CommCounts,
+    CountingState,
+    Probe,
+    Wire,
+    counting_hook,
+    decides_per_bucket,
+    to_device,
+)
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
@@ -69,7 +77,7 @@ class Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor]  # each parameter's gradient, shaped like it
     # --- per synchronising backward
-    reduce: bool = True  # the policy's sync_bucket
+    reduce: bool = True  # the wire's sync_bucket
     pending: int = 0  # gradients not yet in
     future: torch.futures.Future | None = None
 
@@ -112,7 +120,8 @@ class GradsyncDDP:
     capabilities = Capabilities(per_bucket=True, gradient_probe=True, trace_sync=True,
                                 sync_batchnorm=True, shared_memory=True)
 
-    def __init__(self, model: nn.Module, policy: SyncPolicy, ignored: list[str],
+    def __init__(self, model: nn.Module, wire: Wire, averager: Averager | None,
+                 ignored: list[str],
                  allreduce: CountingState, transport: str, bucket_cap_mb: float = 25.0,
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  trace: SyncTrace | None = None, memory: MemoryMeter | None = None):
@@ -122,13 +131,13 @@ class GradsyncDDP:
         # the gradient bytes held after each backward (train/memory.py)
         self.memory = memory if memory is not None else MemoryMeter(
             next(model.parameters()).device)
-        self.policy = policy
+        self.wire = wire
         self.allreduce, self.transport = allreduce, transport
         self.counts: CommCounts = allreduce.counts
         self.trace = trace
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
-        self.grads_to_none = grads_to_none(policy, gradient_as_bucket_view)
+        self.grads_to_none = grads_to_none(averager, gradient_as_bucket_view)
         self.cap = int(bucket_cap_mb * 2**20)
         skip = set(ignored)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in skip]
@@ -139,7 +148,7 @@ class GradsyncDDP:
         # 1. Start: every replica gets rank 0's parameters and buffers.
         broadcast_from_rank0([p.detach() for n, p in model.named_parameters() if n not in skip]
                              + [b.detach() for b in self.buffers])
-        self.sync_buffers = bool(self.buffers) and not policy.syncs_parameters
+        self.sync_buffers = bool(self.buffers) and not whole_model(averager)
 
         # 2. Buckets, as torch's DDP cuts them before its first synchronising backward.
         self.slot: list[tuple[Bucket, int]] = []
@@ -150,7 +159,7 @@ class GradsyncDDP:
         for i, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
 
-        self.per_bucket = decides_per_bucket(policy)
+        self.per_bucket = decides_per_bucket(wire)
         self.require_sync = True  # micro_batch's sync (True outside one, as torch's DDP)
         self.forward_synced = True  # the last forward synchronised (buffers follow rank 0)
         self.backward_syncs = False  # decided by the forward
@@ -265,7 +274,7 @@ class GradsyncDDP:
         self.fired = bytearray(len(self.params))
         self.last_reduced = -1
         for b in self.buckets:
-            b.reduce = self.policy.sync_bucket(b.names) if self.per_bucket else True
+            b.reduce = self.wire.sync_bucket(b.names) if self.per_bucket else True
             b.pending = len(b.params) if b.reduce else 0
             b.future = None
             if b.reduce:
@@ -405,7 +414,8 @@ def _view(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tenso
     return buffer[offset:offset + param.numel()].view(param.size())
 
 
-def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
+def build_gradsync_ddp(model: nn.Module, wire: Wire, averager: Averager | None,
+                       device: torch.device,
                        world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                        gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                        find_unused_parameters: bool = False,
@@ -414,17 +424,18 @@ def build_gradsync_ddp(model: nn.Module, policy: SyncPolicy, device: torch.devic
                        probe: Probe | None = None,
                        sync_batchnorm: bool = False,
                        compile: Compile | None = None) -> GradsyncDDP:
-    """The engine for `model` (already on `device`) and `policy`, with the policy's all-reduce
-    inside the counting hook, through shared memory where `allreduce` allows; probe: the noise
-    scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
+    """The engine for `model` (already on `device`) and a policy's `wire` and `averager`, with
+    the wire's all-reduce inside the counting hook, through shared memory where `allreduce`
+    allows; probe: the noise scale's squared norms, taken inside the counting hook
+    (train/noise_scale.py)."""
     if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
         model = to_sync_batchnorm(model)
-    ignored = policy.bind(model)
+    ignored = wire.bind(model)
     if trace:
         trace.watch(model)  # before the engine's hooks: a gradient's time comes first
-    state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
-                                        trace, probe)
-    engine = GradsyncDDP(model, policy, ignored, state, transport, bucket_cap_mb,
+    state, transport = policy_allreduce(model, wire, averager, device, world_size, allreduce,
+                                        counts, trace, probe)
+    engine = GradsyncDDP(model, wire, averager, ignored, state, transport, bucket_cap_mb,
                          gradient_as_bucket_view, find_unused_parameters, trace, memory)
     if compile:  # the engine's hooks see the compiled backward's gradients (compiled.py)
         engine.compiled, engine.forward = compile, compile.wrap(model)

@@ -4,10 +4,10 @@ DDP's C++ reducer puts the gradients in buckets (reverse parameter order, each u
 ``engine.bucket_cap_mb``: given explicitly, it caps the first bucket too; rebuilt in the order
 gradients became ready after the first synchronising backward) and all-reduces each bucket as
 soon as it is full, overlapping the rest of the backward. ``no_sync()`` around a micro-batch's
-forward and backward keeps its gradients local. The policy chooses the bucket's all-reduce (its
-``comm_hook``), which runs inside gradsync's counting hook; on CPU ranks of one host it goes
-through shared memory (``engine.allreduce``, sync/shm_allreduce.py) instead of gloo's loopback
-TCP.
+forward and backward keeps its gradients local. The policy's wire chooses the bucket's
+all-reduce (its ``comm_hook``), which runs inside gradsync's counting hook; on CPU ranks of one
+host it goes through shared memory (``engine.allreduce``, sync/shm_allreduce.py) instead of
+gloo's loopback TCP.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.engines.unused import GradientWitness, unused_error
-from gradsync.sync.comm import CommCounts, Probe, counting_hook
-from gradsync.sync.policy import SyncPolicy
+from gradsync.sync.averaging import Averager, whole_model
+from gradsync.sync.comm import CommCounts, Probe, Wire, counting_hook
 from gradsync.torch_compat import ddp_buffer_sync
 from gradsync.train.memory import MemoryMeter, storage_bytes
 
@@ -125,7 +125,8 @@ def bucket_bytes(ddp: DistributedDataParallel) -> int:
     return sum(b.buffer().nbytes for b in ddp.reducer._get_zeros_like_grad_buckets())
 
 
-def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
+def build_torch_ddp(model: nn.Module, wire: Wire, averager: Averager | None,
+                    device: torch.device,
                     world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                     gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                     find_unused_parameters: bool = False,
@@ -134,14 +135,15 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
                     probe: Probe | None = None,
                     sync_batchnorm: bool = False,
                     compile: Compile | None = None) -> TorchDDP:
-    """Wrap `model` (already on `device`) in DDP for `policy`: the parameters the policy keeps
-    consistent itself left to it, the policy's all-reduce installed inside the counting hook,
-    through shared memory where `allreduce` allows (CPU ranks of one host). probe: the noise
-    scale's squared norms, taken inside the counting hook (train/noise_scale.py)."""
+    """Wrap `model` (already on `device`) in DDP for a policy's `wire` and `averager`: the
+    parameters the averager keeps left to it, the wire's all-reduce installed inside the
+    counting hook, through shared memory where `allreduce` allows (CPU ranks of one host).
+    probe: the noise scale's squared norms, taken inside the counting hook
+    (train/noise_scale.py)."""
     if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
         model = to_sync_batchnorm(model)
-    ignored = policy.bind(model)
-    if ignored:  # the policy syncs these itself: DDP neither broadcasts nor all-reduces them
+    ignored = wire.bind(model)
+    if ignored:  # the averager syncs these: DDP neither broadcasts nor all-reduces them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if trace:
         trace.watch(model)
@@ -150,16 +152,16 @@ def build_torch_ddp(model: nn.Module, policy: SyncPolicy, device: torch.device,
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=find_unused_parameters,
-        **ddp_buffer_sync(not policy.syncs_parameters))
-    state, transport = policy_allreduce(model, policy, device, world_size, allreduce, counts,
-                                        trace, probe)
+        **ddp_buffer_sync(not whole_model(averager)))
+    state, transport = policy_allreduce(model, wire, averager, device, world_size, allreduce,
+                                        counts, trace, probe)
     ddp.register_comm_hook(state, counting_hook)
     witness = None if find_unused_parameters else GradientWitness(
         (n, q) for n, q in model.named_parameters() if n not in ignored)
-    buffers = [] if policy.syncs_parameters else [b for n, b in model.named_buffers()
-                                                  if n not in ignored]
+    buffers = [] if whole_model(averager) else [b for n, b in model.named_buffers()
+                                                if n not in ignored]
     engine = TorchDDP(ddp, counts, transport,
-                      grads_to_none=grads_to_none(policy, gradient_as_bucket_view),
+                      grads_to_none=grads_to_none(averager, gradient_as_bucket_view),
                       trace=trace, memory=memory, witness=witness, buffers=buffers)
     if compile:  # the wrapper: DDP's graph split at its buckets (engines/compiled.py)
         engine.compiled, engine.forward = compile, compile.wrap(ddp)

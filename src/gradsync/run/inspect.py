@@ -62,9 +62,10 @@ def parameters_table(cfg: RunConfig) -> str:
         return table
     from gradsync.components import build
     from gradsync.engines.fsdp import unit_table
-    from gradsync.sync.comm import CommCounts
+    from gradsync.sync.comm import PLAIN, CommCounts
     from gradsync.sync.policy import as_policy
 
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
-    return f"{table}\n\n{unit_table(model, cfg.engine.fsdp_units, policy, can.replicas)}"
+    wire = policy.wire or PLAIN
+    return f"{table}\n\n{unit_table(model, cfg.engine.fsdp_units, wire, can.replicas)}"

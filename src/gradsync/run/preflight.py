@@ -129,13 +129,13 @@ def check_sizes(model_node: dict[str, Any], data_target: str, sizes: dict[str, i
 def check_policy(cfg: RunConfig, world: int) -> Any:
     """The sync component builds a policy (sync/policy.py's contract: should_sync(micro_index,
     window_size)); built here as a worker builds it, without a model. Returns it."""
-    from gradsync.sync.comm import CommCounts
-    from gradsync.sync.policy import as_policy, decides_per_bucket
+    from gradsync.sync.comm import PLAIN, CommCounts, decides_per_bucket
+    from gradsync.sync.policy import as_policy
 
     runtime = {"uses_scaler": cfg.precision.name == "fp16", "world_size": world,
                "counts": CommCounts()}
     policy = as_policy(build(cfg.sync.node, runtime), cfg.sync.target)
-    if decides_per_bucket(policy) and not capabilities(cfg.engine.name).per_bucket:
+    if decides_per_bucket(policy.wire or PLAIN) and not capabilities(cfg.engine.name).per_bucket:
         raise ConfigError(f"sync ({cfg.sync.target}) decides per gradient bucket "
                           f"(sync_bucket), which engine={cfg.engine.name} cannot "
                           f"carry out: set engine={' or '.join(able('per_bucket'))}")

@@ -37,9 +37,10 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     """Collective: the run's summary, on every rank. Per-rank counters are gathered from every
     rank; the largest worker's peak RSS."""
     c = p.counts
-    o = p.policy.overflow
+    o = p.precision.overflow
     trace = getattr(p.engine, "trace", None)  # engine.trace_sync
-    a = p.policy.averaging  # AveragingCounts: local SGD, DiLoCo
+    averager = p.policy.averager
+    a = averager.counters if averager is not None else None  # AveragingCounts: local SGD, DiLoCo
     mine: dict[str, Any] = {
             "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),

@@ -45,7 +45,7 @@ from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress, train
 from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
-from gradsync.train.normalize import build_normalizer, resolve
+from gradsync.train.normalize import build_normalizer, resolve, shared_steps
 from gradsync.train.precision import build_precision
 from gradsync.train.repro import prepare_cuda_determinism, set_deterministic
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
@@ -83,11 +83,11 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                                    tr.num_workers, pin_memory=device.type == "cuda")
     model = build(cfg.model.node, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
-    precision = build_precision(cfg.precision, device.type)
     counts = CommCounts()  # the engine's all-reduces, and a policy's own (local SGD's averaging)
-    policy = as_policy(build(cfg.sync.node, {"uses_scaler": precision.scaler is not None,
+    policy = as_policy(build(cfg.sync.node, {"uses_scaler": cfg.precision.name == "fp16",
                                              "world_size": world_size, "counts": counts}),
                        cfg.sync.target)
+    precision = build_precision(cfg.precision, device.type, policy)  # its overflow handling
     unit = resolve(cfg.loss.normalize, data.unit)  # the loss's unit: samples or tokens
     meter = (noise.NoiseScale(world_size, device, unit, cfg.noise_scale.decay,
                               model.parameters()) if noise.measures(cfg) else None)
@@ -118,7 +118,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     if lr_scaling.needed(scaling.name, cfg.schedule.name):
         lr_scheduler = lr_scaling.ScaledLR(lr_scheduler, optimizer, scaling.name, reference, tick)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
-                                  data.tokens_per_sample, policy.local_step)
+                                  data.tokens_per_sample,
+                                  policy.averager.local_step if policy.averager else shared_steps)
     return Parts(
         engine=engine,
         optimizer=optimizer,

@@ -1,5 +1,6 @@
 """Averaging tensors over ranks outside DDP's gradient all-reduce: the mechanism behind the
-policies that synchronise parameters themselves (local SGD, DiLoCo) and per-layer rules.
+policies that synchronise parameters themselves (local SGD, DiLoCo) and per-layer rules, and
+``Averager``, the role such a policy hands the loop (``policy.averager``).
 
 ``mean_over_ranks`` is the mean over ranks of a flat buffer in a chosen wire dtype (through the
 run's shared-memory slots when it has them, else one all-reduce) and adds that all-reduce to the
@@ -14,12 +15,70 @@ that a bf16 wire rounds the updates, never the weights themselves.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.shm_allreduce import SharedSlots, mean_through_slots
+
+
+class Averager:
+    """A policy's averager (``policy.averager``): the role the loop is given when the replicas
+    do not stay equal through the gradient all-reduce alone, because the averager keeps some
+    parameters (sync.groups with `every`) or the whole model (local SGD, DiLoCo) consistent by
+    averaging them after windows. Between averagings each rank trains a replica of its own
+    (checkpoints keep every rank's, train/state.py). A policy without one (None) has replicas
+    that every step's gradient all-reduce keeps equal. One loop callback calls it
+    (train/callbacks.py ``Averaging``); the engine asks ``whole_model`` and hands it the
+    shared-memory slots."""
+
+    # True: the averager keeps the whole model consistent (no gradient all-reduce needed: a
+    # window may end without one; each rank's GradScaler skips its own steps, and the engine
+    # leaves the buffers to it); False: some parameter groups only (the engine leaves those
+    # alone: Wire.bind)
+    whole_model: bool = False
+    drift: float | None = None  # set by after_window / finish when they averaged: this rank's
+    # ||theta_r - theta_mean|| / ||theta_mean|| just before
+    counters: Any = None  # per-rank counters (a dataclass of numbers): summary.json, checkpoints
+
+    def use_shared_memory(self, slots: SharedSlots) -> None:
+        """The engine: the run's CPU ranks all-reduce through shared memory
+        (sync/shm_allreduce.py); the averaging may go through the same slots."""
+
+    def start(self, model: torch.nn.Module, windows_done: int) -> None:
+        """On every rank before the first window of a fresh or resumed run (after restore)."""
+
+    def after_step(self, stepped: bool) -> None:
+        """After each window's optimizer step (stepped: False when this rank's fp16 GradScaler
+        skipped it)."""
+
+    def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
+        """On every rank after each window's optimizer step (taken or skipped); windows_done
+        counts the windows completed so far, the same on every rank."""
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """At the end of training, before the final evaluation and checkpoint."""
+
+    def in_sync(self) -> bool:
+        """Whether every rank holds the same parameters now (trainer.check_replicas asks, and a
+        checkpoint saves the replicas' mean when not)."""
+        return True
+
+    def local_step(self) -> bool:
+        """Asked at each window's first micro-batch (by the loss normaliser): True when the
+        window's optimizer step is this rank's own (no gradient all-reduce) and more local steps
+        follow before the replicas are averaged (local SGD with H > 1 after its warm-up): the
+        loss is then divided by this rank's own count, and a rank without a real sample in the
+        window does not step (train/normalize.py)."""
+        return False
+
+
+def whole_model(averager: Averager | None) -> bool:
+    """A policy's averager keeps the whole model (local SGD, DiLoCo): a window may end without
+    a gradient all-reduce, and each rank keeps its own buffers until it averages them."""
+    return averager is not None and averager.whole_model
 
 
 def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None,

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from gradsync.components import ConfigError
+
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -227,3 +229,59 @@ def install_counting_hook(ddp, inner: InnerHook | None = None,
     ddp.register_comm_hook(CountingState(counts, inner or InnerHook(), probe=probe),
                            counting_hook)
     return counts
+
+
+class Wire:
+    """A policy's wire (``policy.wire``): the role the engine is given, what the gradients of a
+    synchronising backward cross the wire as. This class is the plain all-reduce (``PLAIN``,
+    what a policy without a wire gets): DDP's, in the gradients' own dtype, of every
+    parameter. Each member is asked by the engine (the ones named), ``after_step`` by the
+    loop."""
+
+    # amp_aware's sync.overflow_consensus: with fp16's GradScaler, a window that overflows on
+    # some rank ends early on every rank (train/precision.py OverflowConsensus reads this)
+    overflow_consensus: bool = False
+
+    def bind(self, model: Any) -> list[str]:
+        """Before the engine wraps the model: the names of parameters the engine must leave
+        alone (neither broadcast nor all-reduce them): the policy's averager keeps them."""
+        return []
+
+    def comm_hook(self) -> InnerHook:
+        """The all-reduce the DDP engines (torch_ddp, gradsync) run on a synchronising
+        backward, counted around it (counting_hook)."""
+        return allreduce_in(None)
+
+    def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
+        """The sharded engines (fsdp, hsdp), instead of comm_hook: how each named parameter's
+        gradients are reduced. By default in the dtype of comm_hook()'s all-reduce,
+        reduce-scattered (and all-reduced across HSDP replicas) on the synchronising
+        micro-batches only. ConfigError if comm_hook() is an all-reduce of the wire's own, which
+        a sharded engine cannot run."""
+        inner = self.comm_hook()
+        if inner.hook is not allreduce_in(None).hook and inner.hook not in COMPRESS_HOOKS.values():
+            raise ConfigError(f"the sync policy's wire ({type(self).__name__}) all-reduces "
+                              "through a comm hook of its own, which sharded engines (fsdp, "
+                              "hsdp) cannot run: use engine=torch_ddp")
+        return {n: ShardedSync(wire=inner.wire_dtype) for n in names}
+
+    def sync_bucket(self, params: list[str]) -> bool:
+        """engine=gradsync only: asked once per gradient bucket in each synchronising backward
+        (params: the names of the parameters the bucket holds). False keeps that bucket's
+        gradients local: they accumulate into the next synchronising backward, as no_sync()
+        keeps a whole backward's. Must answer alike on every rank. A bucket kept local in a
+        window's last micro-batch leaves its parameters different across ranks: the policy's
+        averager then keeps them consistent."""
+        return True
+
+    def after_step(self, stepped: bool) -> None:
+        """The loop, after each window's optimizer step (stepped: False when fp16 skipped it)."""
+
+
+PLAIN = Wire()  # the wire of a policy without one
+
+
+def decides_per_bucket(wire: Wire) -> bool:
+    """The wire answers sync_bucket itself: only an engine with per-bucket decisions
+    (engine=gradsync) can carry that out."""
+    return getattr(wire.sync_bucket, "__func__", None) is not Wire.sync_bucket

@@ -33,13 +33,14 @@ from torch import nn
 
 from gradsync.components import CheckContext, ConfigError, require
 from gradsync.core.dtypes import DTYPES
-from gradsync.sync.averaging import average_
+from gradsync.sync.averaging import Averager, average_
 from gradsync.sync.comm import (
     FLAVOURS,
     CommCounts,
     InnerHook,
     ShardedSync,
     Traffic,
+    Wire,
     allreduce_in,
 )
 
@@ -220,14 +221,20 @@ class Averaged:
     params: list[nn.Parameter]
 
 
-class LayerSync:
-    """The groups of one run: which wire each DDP-synchronised gradient takes, which parameters
-    DDP leaves alone and this averages every K windows. A part of accumulate and amp_aware."""
+class LayerSync(Wire, Averager):
+    """The groups of one run (accumulate's and amp_aware's sync.groups), in both roles: as the
+    wire (the engine's), which wire dtype each DDP-synchronised gradient takes and which
+    parameters DDP leaves alone (bind); as the averager (the loop's, when a group has `every`),
+    the averaging of those every K windows. `base`, `reduce_scatter` and `replica_all_reduce`
+    (None: as reduce_scatter): the policy's, for the parameters no rule overrides."""
 
     def __init__(self, groups: Rules, base: torch.dtype | None,
-                 counts: CommCounts):
+                 counts: CommCounts, reduce_scatter: str = "boundary",
+                 replica_all_reduce: str | None = None, overflow_consensus: bool = False):
         self.rules = parse_rules(groups)
         self.base = base
+        self.reduce_scatter, self.replica_all_reduce = reduce_scatter, replica_all_reduce
+        self.overflow_consensus = overflow_consensus
         self.counts = counts  # the run's: the averagings are counted beside DDP's all-reduces
         self.synced: dict[int, tuple[str, torch.dtype | None]] = {}  # id(param) -> group, wire
         self.averaged: list[Averaged] = []
@@ -288,23 +295,26 @@ class LayerSync:
         return InnerHook(grouped_allreduce, self, None,
                          sent=lambda _, bucket: self.traffic(bucket).nbytes, traffic=self.traffic)
 
+    def sharded_sync(self, names: list[str]) -> dict[str, ShardedSync]:
+        return sharded_sync(self.rules, names, self.base, self.reduce_scatter,
+                            self.replica_all_reduce)
+
     # --- averaging the groups with `every` ----------------------------------------------------
     def _due(self, averaged: bool) -> list[Averaged]:
         """The groups whose schedule averaged (True) or did not average (False) after the last
         window."""
         return [a for a in self.averaged if (self.windows % (a.rule.every or 1) == 0) == averaged]
 
-    @property
     def in_sync(self) -> bool:
         """Every averaged group is the same on every rank now (a resumed run's first answer
         comes after its first window)."""
         return self.finished or not self._due(False)
 
-    def after_window(self, windows_done: int) -> None:
+    def after_window(self, model: nn.Module, windows_done: int) -> None:
         self.windows, self.finished = windows_done, False
         self._average(self._due(True))
 
-    def finish(self) -> None:
+    def finish(self, model: nn.Module) -> None:
         """After the last window's after_window: the groups it did not average are averaged
         now, so the final evaluation and checkpoint see the consensus."""
         self._average(self._due(False))

@@ -24,7 +24,7 @@ import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.core.dtypes import DTYPES
-from gradsync.sync.averaging import Anchor, plain_average
+from gradsync.sync.averaging import Anchor, Averager, plain_average
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.shm_allreduce import SharedSlots
@@ -110,25 +110,27 @@ class OuterSGD:
             self._build(global_).load_state_dict(state)
 
 
-class ModelAveraging(SyncPolicy):
+class ModelAveraging(SyncPolicy, Averager):
     """The policy: exact accumulate for `warmup_windows` windows, then local steps, and every
     `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
-    global weights. local_sgd() and diloco() below build it; they only choose the outer update."""
+    global weights. local_sgd() and diloco() below build it; they only choose the outer update.
+    It is its own averager (the loop's role); its wire is the plain all-reduce (warm-up)."""
 
-    syncs_parameters = True  # no gradient all-reduce after warm-up: this policy syncs the models
+    whole_model = True  # no gradient all-reduce after warm-up: the averager syncs the models
 
     def __init__(self, name: str, every: int, warmup_windows: int, comm_dtype: str,
                  outer: MeanModel | OuterSGD, counts: CommCounts | None = None):
         self.name = name
         self.every, self.warmup = every, warmup_windows
-        self.wire = DTYPES[comm_dtype]
+        self.comm_dtype = DTYPES[comm_dtype]  # the averaging all-reduce's
         self.outer = outer
         self.counts = counts if counts is not None else CommCounts()
-        self.averaging = AveragingCounts()
+        self.averager = self
+        self.counters = AveragingCounts()
         self.windows = 0
         self.anchor: Anchor | None = None  # the global weights; None during warm-up
-        self.in_sync = True
-        self.replica_drift: float | None = None  # measured by the last after_window, if it averaged
+        self.synced = True  # the replicas are the same now (in_sync)
+        self.drift: float | None = None  # measured by the last after_window, if it averaged
         self.restored: dict[str, Any] | None = None  # a checkpoint's anchor, until start()
         self.slots: SharedSlots | None = None  # the run's shared-memory all-reduce, if it has one
 
@@ -143,7 +145,7 @@ class ModelAveraging(SyncPolicy):
         return self.windows < self.warmup and last_micro_batch(micro_index, window_size)
 
     def after_step(self, stepped: bool) -> None:
-        self.averaging.local_skipped_steps += not stepped
+        self.counters.local_skipped_steps += not stepped
 
     def start(self, model: torch.nn.Module, windows_done: int) -> None:
         """Before the first window of a (fresh or resumed) run. A resumed run's anchor (and the
@@ -161,23 +163,23 @@ class ModelAveraging(SyncPolicy):
 
     def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
         self.windows = windows_done
-        self.replica_drift = None
+        self.drift = None
         if windows_done < self.warmup:
             return
         if self.anchor is None:
             self.anchor = Anchor.of(model)  # warm-up over: its exact steps kept replicas equal
             return
-        self.in_sync = False
+        self.synced = False
         if (windows_done - self.warmup) % self.every == 0:
             self._sync(model)
 
     def finish(self, model: torch.nn.Module) -> None:
         """The run ends with an averaging round unless its last window had one."""
-        if not self.in_sync:
+        if not self.synced:
             self._sync(model)
 
-    def replicas_in_sync(self) -> bool:
-        return self.in_sync
+    def in_sync(self) -> bool:
+        return self.synced
 
     def local_step(self) -> bool:
         """The window now running (self.windows done before it) steps this rank alone, and
@@ -188,25 +190,24 @@ class ModelAveraging(SyncPolicy):
 
     def _sync(self, model: torch.nn.Module) -> None:
         assert self.anchor is not None
-        self.replica_drift = self.anchor.sync(model, self.outer.step, self.wire, self.counts,
-                                              self.slots)
-        self.averaging.averagings += 1
-        self.averaging.max_replica_drift = max(self.averaging.max_replica_drift,
-                                               self.replica_drift)
-        self.in_sync = True
+        self.drift = self.anchor.sync(model, self.outer.step, self.comm_dtype, self.counts,
+                                      self.slots)
+        self.counters.averagings += 1
+        self.counters.max_replica_drift = max(self.counters.max_replica_drift, self.drift)
+        self.synced = True
 
-    # --- checkpoints (the same on every rank; per-rank counters live in `averaging`) ----------
+    # --- checkpoints (the same on every rank; per-rank counters live in `counters`) ----------
     def state_dict(self) -> dict[str, Any]:
         if self.restored is not None:  # loaded, not started yet: as it was loaded
-            return self.restored | {"windows": self.windows, "in_sync": self.in_sync}
-        return {"windows": self.windows, "in_sync": self.in_sync,
+            return self.restored | {"windows": self.windows, "in_sync": self.synced}
+        return {"windows": self.windows, "in_sync": self.synced,
                 "anchor": self.anchor.state_dict() if self.anchor else None,
                 "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The anchor and the outer optimizer's state wait for start(), which knows the
         model's device."""
-        self.windows, self.in_sync = state["windows"], state["in_sync"]
+        self.windows, self.synced = state["windows"], state["in_sync"]
         self.anchor, self.restored = None, state
 
 

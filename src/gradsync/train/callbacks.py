@@ -31,6 +31,7 @@ from gradsync.train.metrics import RunLog
 from gradsync.train.schedules import AdaptiveSchedule as Adaptive
 
 if TYPE_CHECKING:
+    from gradsync.sync.averaging import Averager
     from gradsync.train.loop import Parts, Progress
     from gradsync.train.schedules import Window
 
@@ -141,8 +142,8 @@ class StepLog:
         if self.p.precision.scaler is not None:
             scalars["amp/scale"] = self.p.precision.scale
             scalars["amp/skipped_steps"] = state.skipped_steps
-            scalars["amp/aborted_windows"] = self.p.policy.overflow.aborted_windows
-            scalars["comm/allreduce_skipped"] = self.p.policy.overflow.allreduce_skipped
+            scalars["amp/aborted_windows"] = self.p.precision.overflow.aborted_windows
+            scalars["comm/allreduce_skipped"] = self.p.precision.overflow.allreduce_skipped
         self.log.scalars(state.windows, scalars)
         self.rows, self.losses = [], []
         if bad is not None and self.p.check_finite:
@@ -232,15 +233,18 @@ class AdaptiveSchedule:
 
 
 class Averaging:
-    """The policy's own work after windows (local SGD's and DiLoCo's averaging, sync.groups
-    with `every`), and its last one when the run finishes."""
+    """The policy's averager after windows (local SGD's and DiLoCo's averaging, sync.groups
+    with `every`), and its last averaging when the run finishes."""
+
+    def __init__(self, averager: Averager):
+        self.averager = averager
 
     def after_window(self, p: Parts, state: Progress, done: Done) -> None:
-        policy = p.policy
-        policy.after_window(p.engine.module, state.windows)
+        averager = self.averager
+        averager.after_window(p.engine.module, state.windows)
         if done.finished:
-            policy.finish(p.engine.module)  # e.g. local SGD ends with an averaging
-        drift = policy.replica_drift
+            averager.finish(p.engine.module)  # e.g. local SGD ends with an averaging
+        drift = averager.drift
         if drift is not None:
             done.add("replica_drift", drift)
 
@@ -290,7 +294,9 @@ class ReplicaCheck:
         self.every = every
 
     def after_window(self, p: Parts, state: Progress, done: Done) -> None:
-        if done.stepped and state.step % self.every == 0 and p.policy.replicas_in_sync():
+        averager = p.policy.averager
+        if (done.stepped and state.step % self.every == 0
+                and (averager is None or averager.in_sync())):
             check_replicas(p.engine.module, state.step)
 
 
@@ -359,7 +365,9 @@ def callbacks(p: Parts, log: RunLog, state: Progress) -> Callbacks:
     if isinstance(p.lr_scheduler, ScaledLR):
         before.append(LRScaling())
     after: list[Any] = [AdaptiveSchedule()] if isinstance(p.schedule, Adaptive) else []
-    after += [Averaging(), logging]
+    if p.policy.averager is not None:
+        after.append(Averaging(p.policy.averager))
+    after.append(logging)
     if p.after_window:
         after.append(Hooks(p.after_window))
     if p.replica_check_every:

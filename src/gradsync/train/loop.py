@@ -29,11 +29,13 @@ collectives in the same order; those of one step, in order (tests/test_loop.py h
    last backward, waited for before the step); inside the window, with the gradient
    all-reduces of the synchronising backwards (the engine's comm hook, which also carries the
    noise scale's big-batch probe)
-2. ``doomed_window``: fp16 overflow consensus after each no_sync backward (amp_aware)
-3. ``overflow_agreement``: fp16, the scaler's found_inf flags after unscaling
+2. ``doomed_window``: fp16 overflow consensus after each no_sync backward (amp_aware; the
+   precision's, train/precision.py)
+3. ``overflow_agreement``: fp16, the scaler's found_inf flags after unscaling (the precision's)
 4. ``schedule``: schedule=adaptive choosing the next window's size after a step (it flushes
    the noise scale's pending rows when it needs the newest)
-5. ``averaging``: the policy's own (local SGD, DiLoCo, sync.groups with `every`) every H windows
+5. ``averaging``: the policy's averager (local SGD, DiLoCo, sync.groups with `every`) every H
+   windows
 6. ``loss``: at a log point, the windows' losses over ranks (the noise scale's rows ride on
    it), then ``drift``: the replicas' drift (MAX), when the logged windows averaged
 7. ``replica_check``: trainer.check_replicas, every K steps
@@ -57,6 +59,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from gradsync.config.schema import TrainerConfig
 from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
+from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy, last_micro_batch
 from gradsync.train.callbacks import Done, callbacks
@@ -172,7 +175,8 @@ def unsynced(policy: str, window: Window, last_synced: int) -> str:
             f"{what}, so every rank would step on gradients of its own and the replicas drift "
             "apart (docs/debugging.md). The last micro-batch of a window must synchronise (the "
             "all-reduce of the accumulated gradients is what keeps the replicas equal), or the "
-            "policy must set syncs_parameters = True and average the parameters itself")
+            "policy's averager must keep the whole model consistent itself (whole_model = "
+            "True: it averages the parameters)")
 
 
 def run_window(engine: Engine, batches: Iterator, window: Window,
@@ -181,19 +185,20 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
                meter: NoiseScale | None = None) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
-    in full). After each backward the policy may find the window doomed (an overflow on some
+    in full). After each backward the precision may find the window doomed (an overflow on some
     rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
     without compute, so the data order never depends on overflows. Only the window's first
     ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
     and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
     loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
-    unless the policy keeps the replicas consistent itself (syncs_parameters). `meter`: the
+    unless the policy's averager keeps the whole model consistent (whole_model). `meter`: the
     noise scale's, told each micro-batch's real units before its backward."""
     total = torch.zeros((), device=device)
     if meter is not None:
         meter.start_window()
     size, real_left = window.size, window.real
-    should_sync, doomed_after = policy.should_sync, policy.window_doomed
+    should_sync, doomed_after = policy.should_sync, precision.window_doomed
+    averaged = whole_model(policy.averager)
     doomed = False
     last_synced = -1  # the window's last micro-batch so far that synchronised
     for i in range(size):
@@ -208,7 +213,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
         sync = should_sync(i, size)
         if sync:
             last_synced = i
-        elif last_micro_batch(i, size) and not policy.syncs_parameters:
+        elif last_micro_batch(i, size) and not averaged:
             raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
         with engine.micro_batch(sync):
             with precision.autocast():
@@ -228,7 +233,7 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
 def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None]:
     """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm);
     the norm stays a tensor (on a GPU: no wait for it) until a logging step reads it."""
-    p.policy.agree_on_overflow(p.precision.unscale(p.optimizer))
+    p.precision.unscale(p.optimizer)  # the scaler's flags agreed over ranks where needed
     p.normalizer.before_step(p.engine.parameters())
     norm = None
     if p.trainer.clip_grad_norm > 0:
@@ -236,10 +241,15 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
     elif want_norm:
         norm = get_total_norm([q.grad for q in p.engine.parameters() if q.grad is not None])
     stepped = p.precision.step(p.optimizer)
-    p.policy.after_step(stepped)
-    # a policy that syncs parameters lets each rank's GradScaler skip its own step: the window
-    # counts as a step everywhere (counters, LR schedule, cadences stay the same on every rank)
-    stepped = stepped or p.policy.syncs_parameters
+    policy = p.policy
+    if policy.wire is not None:
+        policy.wire.after_step(stepped)
+    if policy.averager is not None:
+        policy.averager.after_step(stepped)
+        # an averager of the whole model lets each rank's GradScaler skip its own step: the
+        # window counts as a step everywhere (counters, LR schedule, cadences stay the same on
+        # every rank)
+        stepped = stepped or policy.averager.whole_model
     p.engine.zero_grad(p.optimizer)
     if stepped:
         p.lr_scheduler.step()
@@ -253,7 +263,8 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     docstring."""
     tr, cbs = p.trainer, callbacks(p, log, state)
     done: Done | None = None
-    p.policy.start(p.engine.module, state.windows)
+    if p.policy.averager is not None:
+        p.policy.averager.start(p.engine.module, state.windows)
     while not state.done(tr) and not (done and done.stop):
         epoch, sampler = state.epoch, p.sampler
         shard = Shard(len(sampler.dataset), sampler.rank, sampler.num_replicas)  # type: ignore

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.utils import get_total_norm
 
 from gradsync.components import ConfigError
+from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import to_device
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> 
         raise ConfigError(f"{why} is measured inside the all-reduce of an engine with a "
                           "gradient probe (torch_ddp, gradsync), not engine="
                           f"{cfg.engine.name}")
-    if policy.syncs_parameters:
+    if whole_model(policy.averager):
         raise ConfigError(f"{why} is measured around the all-reduce of the gradients; "
                           f"sync ({cfg.sync.target}) averages parameters instead: use a policy "
                           "that all-reduces gradients (accumulate, always, amp_aware)")

@@ -202,7 +202,7 @@ def build_normalizer(name: str, unit: str, world_size: int, device: torch.device
                      tokens_per_sample: float,
                      local: Callable[[], bool] = shared_steps) -> Normalizer:
     """unit: what the data's loss counts (samples or tokens); local: asked once per window,
-    whether its step is this rank's own (the sync policy's SyncPolicy.local_step)."""
+    whether its step is this rank's own (the policy's averager's Averager.local_step)."""
     name = resolve(name, unit)
     if name == "samples":
         return BySamples(world_size, per_unit=unit == "tokens", local=local)

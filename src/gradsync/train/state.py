@@ -53,20 +53,24 @@ def components(p: Parts, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """skip: components kept elsewhere (a sharded engine's model and optimizer)."""
     candidates = {"model": p.engine, "optimizer": p.optimizer,
                   "lr_scheduler": p.lr_scheduler, "grad_scaler": p.precision.scaler,
-                  "policy": p.policy, "schedule": p.schedule,
+                  # the policy's state (a policy of one's own may keep some), else its averager's
+                  "policy": p.policy if hasattr(p.policy, "state_dict") else p.policy.averager,
+                  "schedule": p.schedule,
                   "noise_scale": p.noise}
     return {k: v for k, v in candidates.items() if hasattr(v, "state_dict") and k not in skip}
 
 
 def rank_counters(p: Parts) -> dict[str, Any]:
     """Counters each rank keeps for itself (dataclasses of numbers), reported in summary.json."""
-    out = {"comm": p.counts, "overflow": p.policy.overflow}
-    return out if p.policy.averaging is None else out | {"averaging": p.policy.averaging}
+    out = {"comm": p.counts, "overflow": p.precision.overflow}
+    averager = p.policy.averager
+    return out if averager is None or averager.counters is None else (
+        out | {"averaging": averager.counters})
 
 
-# With a policy whose replicas differ between averagings (own_replicas: one that syncs parameters,
-# or sync.groups with `every`) each rank trains its own replica, wholly or in part: these
-# components are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
+# With a policy that has an averager (local SGD, DiLoCo, sync.groups with `every`), the replicas
+# differ between averagings: each rank trains its own, wholly or in part, so these components
+# are kept per rank (ranks[r]["own"]); the top-level "model" holds their mean.
 OWN = ("model", "optimizer", "lr_scheduler", "grad_scaler")
 
 
@@ -77,9 +81,10 @@ def mean_model(own: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
                 if v.is_floating_point() else v) for k, v in models[0].items()}
 
 
-def own_replicas(p: Parts) -> bool:
-    """Whether each rank trains a replica of its own between averagings (wholly or in part)."""
-    return p.policy.syncs_parameters or p.policy.own_replicas
+def averaged(p: Parts) -> bool:
+    """Whether each rank trains a replica of its own between averagings (wholly or in part):
+    the policy has an averager."""
+    return p.policy.averager is not None
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -107,7 +112,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any,
     the components in `skip` (a sharded checkpoint keeps the model and optimizer itself)."""
     mine = {"rng": rng_state(p.device),
             "counters": {name: asdict(c) for name, c in rank_counters(p).items()}}
-    own = own_replicas(p)
+    own = averaged(p)
     if own:
         parts = components(p)
         mine["own"] = to_cpu({k: parts[k].state_dict() for k in OWN if k in parts})
@@ -122,7 +127,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any,
     assert ranks is not None
     # on the CPU: the checkpoint opens on a machine with other GPUs, or none
     out = {name: to_cpu(obj.state_dict()) for name, obj in components(p, skip).items()}
-    if own and not p.policy.replicas_in_sync():
+    if p.policy.averager is not None and not p.policy.averager.in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
                config=cfg, config_hash=config_hash(cfg))
