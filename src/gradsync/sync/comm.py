@@ -126,6 +126,18 @@ class InnerHook:
 FLAVOURS = ("boundary", "every")
 
 
+def check_flavours(reduce_scatter: str, replica_all_reduce: str, where: str = "",
+                   key: str = "sync.", detail: str = "") -> None:
+    """The one rule between the two flavours, for the policy's options (key "sync.") and a
+    sync.groups rule's (where "sync.groups rule 'x': ", key "", detail " (parameter 'p')"): the
+    all-reduce across replicas follows a reduce-scatter, so it cannot run more often."""
+    if reduce_scatter == "boundary" and replica_all_reduce == "every":
+        raise ConfigError(f"{where}{key}replica_all_reduce=every with {key}reduce_scatter=boundary"
+                          f"{detail}: the all-reduce across replicas follows a reduce-scatter, "
+                          f"so it cannot run more often; set {key}reduce_scatter=every or "
+                          f"{key}replica_all_reduce=boundary")
+
+
 @dataclass(frozen=True)
 class ShardedSync:
     """What a sharded engine (engines/fsdp.py) does with one parameter's gradients: its

@@ -42,6 +42,7 @@ from gradsync.sync.comm import (
     Traffic,
     Wire,
     allreduce_in,
+    check_flavours,
 )
 
 REST = "rest"  # the parameters no rule matches
@@ -204,12 +205,8 @@ def sharded_sync(rules: list[Rule], names: Iterable[str], base: torch.dtype | No
     for name, rule in assign(rules, names).items():
         rs = (rule.reduce_scatter if rule else None) or reduce_scatter
         ar = (rule.replica_all_reduce if rule else None) or replica_all_reduce or rs
-        if rs == "boundary" and ar == "every":
-            where = f"sync.groups rule {rule.name!r}" if rule else "sync"
-            raise ConfigError(f"{where}: replica_all_reduce=every with reduce_scatter=boundary "
-                              f"(parameter {name!r}): the all-reduce across replicas follows a "
-                              "reduce-scatter, so it cannot run more often; set "
-                              "reduce_scatter=every or replica_all_reduce=boundary")
+        check_flavours(rs, ar, f"sync.groups rule {rule.name!r}: " if rule else "",
+                       "" if rule else "sync.", f" (parameter {name!r})")
         out[name] = ShardedSync(REST if rule is None else rule.name, wire_of(rule, base), rs, ar)
     return out
 

@@ -14,7 +14,15 @@ import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.core.dtypes import DTYPES
-from gradsync.sync.comm import FLAVOURS, CommCounts, InnerHook, ShardedSync, Wire, allreduce_in
+from gradsync.sync.comm import (
+    FLAVOURS,
+    CommCounts,
+    InnerHook,
+    ShardedSync,
+    Wire,
+    allreduce_in,
+    check_flavours,
+)
 from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
 from gradsync.sync.policy import SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
@@ -82,10 +90,7 @@ def _check_sharded(a: dict[str, Any]) -> None:
     require(a["replica_all_reduce"] in (AS_REDUCE_SCATTER, *FLAVOURS),
             "sync.replica_all_reduce", f"{AS_REDUCE_SCATTER} (as sync.reduce_scatter) or one of "
             f"{', '.join(FLAVOURS)}", a["replica_all_reduce"])
-    if a["reduce_scatter"] == "boundary" and a["replica_all_reduce"] == "every":
-        raise ConfigError("sync.replica_all_reduce=every with sync.reduce_scatter=boundary: the "
-                          "all-reduce across replicas follows a reduce-scatter, so it cannot run "
-                          "more often; set sync.reduce_scatter=every")
+    check_flavours(a["reduce_scatter"], a["replica_all_reduce"])
 
 
 def _check_accumulate(a: dict[str, Any], ctx: CheckContext) -> None:
