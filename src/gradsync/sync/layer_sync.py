@@ -152,6 +152,15 @@ def parameter_infos(model: nn.Module) -> list[ParamInfo]:
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 
+def check_wire_precision(comm_dtype: str | None, precision: str, key: str) -> None:
+    """The one rule between a wire dtype and the precision: an fp16 wire needs fp16's
+    GradScaler (the policy's sync.comm_dtype and each sync.groups rule's)."""
+    if comm_dtype == "fp16" and precision != "fp16":
+        raise ConfigError(f"{key}='fp16' needs precision=fp16, not {precision!r}: only its "
+                          "GradScaler catches an overflow of the fp16 all-reduce; use bf16 or "
+                          "fp32")
+
+
 def check_groups(a: dict[str, Any], ctx: CheckContext, base: str) -> None:
     """sync.groups of accumulate / amp_aware (base: the policy's wire dtype). With the model's
     parameters known (ctx.provided["parameters"], a callable), every rule must match one."""
@@ -163,10 +172,7 @@ def check_groups(a: dict[str, Any], ctx: CheckContext, base: str) -> None:
         raise ConfigError(f"sync.groups with sync.compression={a['compression']}: PowerSGD "
                           "compresses whole buckets, not a group's gradients: drop one of them")
     for i, rule in enumerate(rules):
-        if rule.comm_dtype == "fp16" and ctx.precision != "fp16":
-            raise ConfigError(f"sync.groups[{i}].comm_dtype='fp16' needs precision=fp16, not "
-                              f"{ctx.precision!r}: only its GradScaler catches an overflow of "
-                              "the fp16 all-reduce; use bf16 or fp32")
+        check_wire_precision(rule.comm_dtype, ctx.precision, f"sync.groups[{i}].comm_dtype")
     averaged = [r for r in rules if r.every is not None]
     if averaged and ctx.provided.get("clip_grad_norm", 0) > 0:
         raise ConfigError(f"sync.groups[{rules.index(averaged[0])}].every with "

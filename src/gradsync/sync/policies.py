@@ -23,7 +23,13 @@ from gradsync.sync.comm import (
     allreduce_in,
     check_flavours,
 )
-from gradsync.sync.layer_sync import LayerSync, Rules, check_groups, sharded_sync
+from gradsync.sync.layer_sync import (
+    LayerSync,
+    Rules,
+    check_groups,
+    check_wire_precision,
+    sharded_sync,
+)
 from gradsync.sync.policy import SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.powersgd import PowerSGD, build_powersgd, powersgd_hook, sent_bytes
 
@@ -102,10 +108,7 @@ def _check_accumulate(a: dict[str, Any], ctx: CheckContext) -> None:
 def _check_amp_aware(a: dict[str, Any], ctx: CheckContext) -> None:
     require(a["comm_dtype"] in DTYPES, "sync.comm_dtype", f"one of {', '.join(DTYPES)}",
             a["comm_dtype"])
-    if a["comm_dtype"] == "fp16" and ctx.precision != "fp16":
-        raise ConfigError(f"sync.comm_dtype='fp16' needs precision=fp16, not "
-                          f"{ctx.precision!r}: only its GradScaler catches an overflow of the "
-                          "fp16 all-reduce; use bf16 or fp32")
+    check_wire_precision(a["comm_dtype"], ctx.precision, "sync.comm_dtype")
     _check_compression(a, ctx)
     if a["compression"] == "powersgd" and a["comm_dtype"] != "fp32":
         raise ConfigError("sync.compression=powersgd sends its own fp32 factors: set "
