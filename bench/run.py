@@ -2,7 +2,8 @@
 
 Variants are interleaved (a shuffled order per round and N) and repeated; each run is a fresh
 pair of processes, so peak RSS is per variant. Reports the median samples/s of the timed epoch
-with min-max, ratios to the hand-written loop and to the no-communication bound, all-reduce
+with min-max, ratios to the hand-written loop and to the no-communication bound, the ranks'
+mean CPU milliseconds per micro-batch (what a loaded machine moves far less), all-reduce
 calls and bytes per optimizer step (measured by a counting comm hook; for the variants that do
 not install one themselves, in a separate untimed run so the hook cannot slow them down), the
 largest worker's peak RSS and the timed epoch's mean loss. Writes bench/results/<date>.md and
@@ -129,6 +130,7 @@ def run_variant(name: str, accum: int, count: bool = False, timeout: float = 600
         raise RuntimeError(f"{name} N={accum}: {errors[0]}")
     r0 = dict(results[0])
     r0["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results.values())
+    r0["cpu_ms_per_micro"] = sum(r["cpu_ms_per_micro"] for r in results.values()) / len(results)
     return r0
 
 

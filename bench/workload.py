@@ -70,6 +70,7 @@ def result(samples_per_s: float, loss_sum: float, loss_count: int, **extra) -> d
     t = torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64)
     dist.all_reduce(t)
     return {"samples_per_s": samples_per_s, "epoch_loss": (t[0] / t[1]).item(),
+            "cpu_ms_per_micro": _clock.get("cpu_ms_per_micro", float("nan")),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             "pid": os.getpid(), **extra}
 
@@ -87,14 +88,24 @@ _clock: dict[str, float] = {}
 on_clock_start: list = []  # the accounting runs reset their counters here
 
 
+def _cpu_s() -> float:
+    """This process's CPU seconds, every thread (gloo's included): what the rank computed,
+    not what it waited, so a loaded machine moves it far less than samples/s."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def start_clock() -> None:
     dist.barrier()
     for fn in on_clock_start:
         fn()
+    _clock["cpu0"] = _cpu_s()
     _clock["t0"] = time.perf_counter()
 
 
 def stop_clock() -> float:
-    """Global samples/s of the timed epoch (one epoch over all ranks)."""
+    """Global samples/s of the timed epoch (one epoch over all ranks); also records this rank's
+    CPU milliseconds per micro-batch of it (result's cpu_ms_per_micro)."""
+    _clock["cpu_ms_per_micro"] = (_cpu_s() - _clock["cpu0"]) * 1e3 / (SAMPLES / WORLD / MICRO)
     dist.barrier()
     return SAMPLES / (time.perf_counter() - _clock["t0"])

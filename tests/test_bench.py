@@ -31,6 +31,10 @@ def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
     traffic = json.loads(raw[0].read_text())["traffic"]
     assert set(runs) == {f"{v}|8" for v in VARIANTS.split(",")}
     assert all(r["samples_per_s"] > 0 and r["peak_rss_mb"] > 100 for r in runs.values())
+    # CPU time per micro-batch (the ranks' mean): the bench MLP's forward and backward alone are
+    # milliseconds, and at N = 8 two all-reduces add little to any variant
+    cpu = {k.split("|")[0]: r["cpu_ms_per_micro"] for k, r in runs.items()}
+    assert all(0.5 < c < 1000 and 0.5 < c / cpu["nocomm"] < 3 for c in cpu.values()), cpu
     # one workload: the same data order, model and updates in every variant
     losses = [r["epoch_loss"] for r in runs.values()]
     assert max(losses) - min(losses) < 1e-6 * abs(losses[0])
@@ -43,6 +47,8 @@ def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
     for v in VARIANTS.split(","):
         assert f"| {v} |" in table
     assert "| 8 | gradsync accumulate / hand-written |" in table
+    assert "CPU ms / micro-batch |" in table
+    assert "| 8 | gradsync accumulate / no-comm bound, in CPU ms per micro-batch |" in table
     assert "| handwritten | " in table and "| 1.000 | " in table
 
 
