@@ -73,6 +73,13 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
         cfg = gradsync_runs.config(4, kwargs["sync"], list(kwargs["overrides"]))
         built = build(cfg["sync"])
         assert (built.name, built.every, built.averager.whole_model) == (policy, 8, True)
+    # the rows that take local SGD's cost apart: logging off, then averaging off too
+    for name, every in [("gradsync local_sgd H=8 (no logging)", 8),
+                        ("gradsync local_sgd (no logging or averaging)", 1_000_000)]:
+        _, _, kwargs = harness.VARIANTS[name]
+        cfg = gradsync_runs.config(1, kwargs["sync"], list(kwargs["overrides"]))
+        assert (build(cfg["sync"]).every, cfg["trainer"]["log_every"]) == (every, 1_000_000)
+        assert "," not in name  # --variants splits on commas
 
 
 def test_the_startup_table_gives_each_variant_as_a_multiple_of_the_floor():
