@@ -92,3 +92,42 @@ def non_finite_on_one_rank(cfg: dict, run_dir: str, rank: int, step: int) -> dic
     except FloatingPointError as e:
         return {"error": str(e), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def direct_round_against_float64(through_slots: bool) -> dict:
+    """Three rounds of averaging.average_replicas on a model whose replicas drift apart by
+    rank-seeded noise, each checked against the float64 mean and drift of the gathered
+    replicas; through this pool's own shared-memory slots or the process group."""
+    from gradsync.sync.averaging import average_replicas
+    from gradsync.sync.comm import CommCounts
+    from gradsync.sync.shm_allreduce import SharedSlots, map_slots
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+    model.get_parameter("1.weight").data.add_(0.5)
+    slots = None
+    if through_slots:
+        mapped = map_slots(4096)
+        assert mapped is not None
+        slots = SharedSlots(mapped, rank, world, None)
+    gen = torch.Generator().manual_seed(100 + rank)
+    counts, out = CommCounts(), {"mean_err": [], "drift": [], "drift_ref": []}
+    for _ in range(3):
+        with torch.no_grad():
+            for t in [*model.parameters(), model[1].running_mean]:
+                t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+        theta = torch.cat([t.detach().flatten().double() for t in
+                           [*model.parameters(), model[1].running_mean, model[1].running_var]])
+        everyone = [torch.empty_like(theta) for _ in range(world)]
+        dist.all_gather(everyone, theta)
+        mean = torch.stack(everyone).mean(0)
+        out["drift_ref"].append(float((theta - mean).norm() / mean.norm()))
+        out["drift"].append(average_replicas(model, counts, slots))
+        after = torch.cat([t.detach().flatten().double() for t in
+                           [*model.parameters(), model[1].running_mean, model[1].running_var]])
+        out["mean_err"].append(float((after - mean).abs().max()))
+    out["params"] = flat(model)
+    out["calls"], out["bytes"] = counts.allreduce_calls, counts.allreduce_bytes
+    out["slot_written"] = slots is not None and bool(slots.slots[rank].any())
+    return out

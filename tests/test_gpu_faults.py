@@ -87,10 +87,10 @@ def test_a_resumed_anchor_lives_on_the_models_device():
     model here is on the meta device (no data: any device other than the checkpoint's CPU
     shows where the anchor goes; DiLoCo's outer optimizer is built on the anchor the same
     way, in the same ModelAveraging.start, and is checked on a GPU by tests/test_gpu.py)."""
-    saved = local_sgd(every=2)
+    saved = local_sgd(every=2, comm_dtype="bf16")  # an fp32 wire keeps no anchor
     saved.start(torch.nn.Linear(3, 2), 0)
     state = to_cpu(saved.state_dict())  # as checkpoint.load(map_location="cpu") gives it
-    policy = local_sgd(every=2)
+    policy = local_sgd(every=2, comm_dtype="bf16")
     policy.load_state_dict(state)
     assert policy.state_dict()["anchor"] is state["anchor"]  # not started: as it was loaded
     policy.start(torch.nn.Linear(3, 2, device="meta"), 3)
@@ -251,6 +251,18 @@ def test_an_averaging_round_reads_the_device_once(single_process_group):
     with HostReads() as seen:
         drift = anchor.sync(model, plain_average, None, CommCounts())
     assert seen.reads == ["__float__"] and drift == 0.0  # one rank: it is the mean
+
+
+def test_a_direct_averaging_round_reads_the_device_once(single_process_group):
+    """local SGD's fp32 round (averaging.average_replicas) reads the drift once, too."""
+    from gradsync.sync.averaging import average_replicas
+
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with HostReads() as seen:
+        drift = average_replicas(model, CommCounts())
+    assert seen.reads == ["__float__"] and drift == 0.0  # one rank: it is the mean
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 def test_the_sync_trace_of_a_model_on_cuda_reports_no_wait_and_no_overlap():

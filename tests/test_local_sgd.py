@@ -337,3 +337,35 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():
     for g, e in zip(globals_, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
         assert g.grad is None  # the pseudo-gradient is not left behind
+
+
+def test_an_fp32_round_averages_the_replicas_themselves_against_a_float64_mean(pool2):
+    """local SGD's fp32 round (averaging.average_replicas, no fp32 anchor): parameters and
+    float buffers become the float64 mean of the replicas up to fp32 rounding, the drift is
+    the float64 one, and shared memory and the process group give the same bits."""
+    shm = pool2.run(local_sgd_cases.direct_round_against_float64, True)
+    gloo = pool2.run(local_sgd_cases.direct_round_against_float64, False)
+    for a, b in zip(shm, gloo, strict=True):
+        assert a["slot_written"] and not b["slot_written"]
+        assert torch.equal(a["params"], b["params"]) and a["drift"] == b["drift"]
+        assert max(a["mean_err"]) < 1e-7, a["mean_err"]
+        for d, ref in zip(a["drift"], a["drift_ref"], strict=True):
+            assert 0.005 < ref and abs(d - ref) < 1e-5 * ref, (d, ref)
+        # Linear 6*5+5 and BatchNorm 5+5 parameters, running mean and var 5+5: 55 floats
+        assert (a["calls"], a["bytes"]) == (3, 3 * 55 * 4)
+    assert torch.equal(shm[0]["params"], shm[1]["params"])
+
+
+@pytest.mark.parametrize(("make", "anchored"), [
+    ("local_sgd()", False), ("local_sgd(comm_dtype='bf16')", True), ("diloco()", True),
+    ("diloco(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)", False)])
+def test_only_a_round_that_rounds_or_steps_keeps_the_fp32_anchor(make, anchored):
+    """The anchor (an fp32 copy of the model, and a second for a round's pseudo-gradient) is
+    kept where the round needs it: a bf16 wire (the updates are rounded, never the weights) and
+    DiLoCo's outer step. The plain fp32 mean needs none."""
+    from gradsync.sync.local_sgd import diloco, local_sgd  # noqa: F401 (eval)
+
+    policy = eval(make)
+    policy.start(torch.nn.Linear(3, 2), 0)
+    assert (policy.anchor is not None) == anchored
+    assert (policy.state_dict()["anchor"] is not None) == anchored

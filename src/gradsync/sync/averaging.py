@@ -5,11 +5,13 @@ policies that synchronise parameters themselves (local SGD, DiLoCo) and per-laye
 ``mean_over_ranks`` is the mean over ranks of a flat buffer in a chosen wire dtype (through the
 run's shared-memory slots when it has them, else one all-reduce) and adds that all-reduce to the
 run's ``CommCounts`` (the same counters DDP's counting comm hook fills); ``average_`` applies it
-to a list of tensors in place. ``Anchor`` keeps the fp32 consensus ("global") copy of
-a set of tensors and averages each rank's distance from it (the pseudo-gradient
-``global - local``), which is what DiLoCo's outer optimizer steps on; an outer step of
-``global -= mean pseudo-gradient`` is plain model averaging, done on the small differences so
-that a bf16 wire rounds the updates, never the weights themselves.
+to a list of tensors in place. ``average_replicas`` averages a model's replicas themselves in
+place (local SGD on a wire of the model's own dtype: two passes over the model and the drift's
+three). ``Anchor`` keeps the fp32 consensus ("global") copy of a set of tensors and averages each
+rank's distance from it (the pseudo-gradient ``global - local``), which is what DiLoCo's outer
+optimizer steps on; an outer step of ``global -= mean pseudo-gradient`` is plain model
+averaging, done on the small differences so that a bf16 wire rounds the updates, never the
+weights themselves.
 """
 
 from __future__ import annotations
@@ -136,6 +138,56 @@ def plain_average(global_: list[torch.Tensor], pseudo: list[torch.Tensor]) -> No
     """global - mean(global - local) = mean(local): model averaging."""
     if global_:
         torch._foreach_sub_(global_, pseudo)
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of tensors taken together (as one flat vector), on their device."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+
+
+def average_replicas(model: torch.nn.Module, counts: CommCounts,
+                     slots: SharedSlots | None = None) -> float:
+    """Model averaging in place when the wire is the replica's own dtype (local SGD's fp32
+    round, collective): every parameter and float buffer becomes its mean over ranks, divided
+    before the sum as DDP's hooks do, in ONE all-reduce (through the run's shared-memory slots
+    when it has them, with the bits of the process-group all-reduce: 2 passes and 2 barriers;
+    else a flat copy and one all-reduce). No consensus copy is kept. Returns this rank's drift
+    before the round, ||theta_r - theta_mean|| / ||theta_mean||, read from the same buffers."""
+    params, buffers = float_state(model)
+    replica = [t.detach() for t in params + buffers]
+    numel = sum(t.numel() for t in replica)
+    dtype, world = replica[0].dtype, dist.get_world_size()
+    counts.allreduce_calls += 1
+    counts.allreduce_bytes += numel * dtype.itemsize
+    if slots is not None and not slots.offset and numel * dtype.itemsize <= slots.slots.shape[1]:
+        scaled = slots.region(slots.rank, numel, dtype)  # this rank's theta_r / world
+        for d, t in zip(_views(scaled, replica), replica, strict=True):
+            torch.div(t, world, out=d)
+        slots.barrier()  # every slot is written
+        others = [_views(slots.region(r, numel, dtype), replica) for r in range(world)]
+        with torch.no_grad():
+            for i, t in enumerate(replica):  # the slots summed in rank order, as the hook sums
+                if world == 1:
+                    t.copy_(others[0][i])
+                else:
+                    torch.add(others[0][i], others[1][i], out=t)
+                for s in others[2:]:
+                    t.add_(s[i])
+        slots.barrier()  # every slot is read: this rank's may hold the drift's difference
+    else:
+        scaled = torch.cat([t.reshape(-1) for t in replica]).div_(world)
+        mean = scaled.clone()
+        dist.all_reduce(mean)
+        with torch.no_grad():
+            for t, m in zip(replica, _views(mean, replica), strict=True):
+                t.copy_(m)
+    # theta_r - theta_mean, written over the scaled copy (world * (theta_r / world) is theta_r
+    # for a power-of-two world size: no rounding), then the drift's one host read
+    diff = _views(scaled, replica)
+    for d, t in zip(diff, replica, strict=True):
+        torch.add(t, d, alpha=-world, out=d)
+    num, den = _norm(diff), _norm(replica)
+    return float(torch.where(den > 0, num / den, num))
 
 
 class Anchor:

@@ -4,14 +4,17 @@ et al. 2023).
 
 Every forward+backward runs inside ``no_sync()`` (after ``warmup_windows`` windows of exact
 ``accumulate``), so each rank steps its own optimizer on its own window gradient. Every
-``every`` windows (H) the replicas meet in ONE all-reduce (averaging.Anchor): each rank's
-pseudo-gradient ``global - local`` over its parameters and floating-point buffers is averaged in
-``comm_dtype``; local SGD then sets the global weights to the mean model, DiLoCo lets an outer SGD
-(Nesterov momentum) step them; every rank continues from the new global weights, bitwise the same
-everywhere. The schedule counts windows, never a rank's applied steps: with fp16 each rank has its
-own GradScaler and skips its own overflowing steps, and the averaging still happens at the same
-window on every rank. Optimizer state stays per rank (as in torch's PostLocalSGDOptimizer,
-Accelerate's LocalSGD and torchft), which the checkpoint keeps per rank (train/state.py).
+``every`` windows (H) the replicas meet in ONE all-reduce over their parameters and
+floating-point buffers. Local SGD on an fp32 wire averages the replicas themselves
+(averaging.average_replicas: no consensus copy kept). DiLoCo, and local SGD on a bf16 wire, go
+through the fp32 anchor (averaging.Anchor): each rank's pseudo-gradient ``global - local`` is
+averaged in ``comm_dtype`` (a bf16 wire rounds the updates, never the weights); local SGD sets the
+global weights to the mean model, DiLoCo lets an outer SGD (Nesterov momentum) step them. Every
+rank continues from the new weights, bitwise the same everywhere. The schedule counts windows,
+never a rank's applied steps: with fp16 each rank has its own GradScaler and skips its own
+overflowing steps, and the averaging still happens at the same window on every rank. Optimizer
+state stays per rank (as in torch's PostLocalSGDOptimizer, Accelerate's LocalSGD and torchft),
+which the checkpoint keeps per rank (train/state.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from gradsync.components import CheckContext, ConfigError, checks, require
 from gradsync.core.dtypes import DTYPES
-from gradsync.sync.averaging import Anchor, Averager, plain_average
+from gradsync.sync.averaging import Anchor, Averager, average_replicas, float_state, plain_average
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy, last_micro_batch, renamed_keys
 from gradsync.sync.shm_allreduce import SharedSlots
@@ -112,9 +115,10 @@ class OuterSGD:
 
 class ModelAveraging(SyncPolicy, Averager):
     """The policy: exact accumulate for `warmup_windows` windows, then local steps, and every
-    `every` windows one averaging round (averaging.Anchor) with `outer` as the update of the
-    global weights. local_sgd() and diloco() below build it; they only choose the outer update.
-    It is its own averager (the loop's role); its wire is the plain all-reduce (warm-up)."""
+    `every` windows one averaging round with `outer` as the update of the global weights (the
+    replicas averaged directly when that is the plain mean on their own dtype: direct()).
+    local_sgd() and diloco() below build it; they only choose the outer update. It is its own
+    averager (the loop's role); its wire is the plain all-reduce (warm-up)."""
 
     whole_model = True  # no gradient all-reduce after warm-up: the averager syncs the models
 
@@ -128,7 +132,7 @@ class ModelAveraging(SyncPolicy, Averager):
         self.averager = self
         self.counters = AveragingCounts()
         self.windows = 0
-        self.anchor: Anchor | None = None  # the global weights; None during warm-up
+        self.anchor: Anchor | None = None  # the global weights; None in warm-up and if direct
         self.synced = True  # the replicas are the same now (in_sync)
         self.drift: float | None = None  # measured by the last after_window, if it averaged
         self.restored: dict[str, Any] | None = None  # a checkpoint's anchor, until start()
@@ -158,7 +162,9 @@ class ModelAveraging(SyncPolicy, Averager):
             self.anchor = Anchor.from_state(restored["anchor"], device) if restored["anchor"] \
                 else None
             self.outer.load_state_dict(restored["outer"], self.anchor.params if self.anchor else [])
-        if self.anchor is None and windows_done >= self.warmup:
+        if self.direct(model):
+            self.anchor = None  # an earlier checkpoint's anchor has nothing left to do
+        elif self.anchor is None and windows_done >= self.warmup:
             self.anchor = Anchor.of(model)  # a fresh run: the replicas start identical
 
     def after_window(self, model: torch.nn.Module, windows_done: int) -> None:
@@ -166,8 +172,9 @@ class ModelAveraging(SyncPolicy, Averager):
         self.drift = None
         if windows_done < self.warmup:
             return
-        if self.anchor is None:
-            self.anchor = Anchor.of(model)  # warm-up over: its exact steps kept replicas equal
+        if windows_done == self.warmup:  # warm-up over: its exact steps kept replicas equal
+            if not self.direct(model):
+                self.anchor = Anchor.of(model)
             return
         self.synced = False
         if (windows_done - self.warmup) % self.every == 0:
@@ -188,10 +195,21 @@ class ModelAveraging(SyncPolicy, Averager):
         of the global mean: the shared divisor (docs/local-sgd.md)."""
         return self.every > 1 and self.windows >= self.warmup
 
+    def direct(self, model: torch.nn.Module) -> bool:
+        """Whether a round averages the replicas themselves (averaging.average_replicas): the
+        outer update is the plain mean and the wire is the tensors' one dtype, so nothing is
+        rounded that the replicas would not round. Otherwise (DiLoCo's outer step, a bf16 wire)
+        the round goes through the fp32 anchor and averages the small differences."""
+        dtypes = {t.dtype for group in float_state(model) for t in group}
+        return isinstance(self.outer, MeanModel) and len(dtypes) == 1 and \
+            self.comm_dtype in (None, *dtypes)
+
     def _sync(self, model: torch.nn.Module) -> None:
-        assert self.anchor is not None
-        self.drift = self.anchor.sync(model, self.outer.step, self.comm_dtype, self.counts,
-                                      self.slots)
+        if self.anchor is None:
+            self.drift = average_replicas(model, self.counts, self.slots)
+        else:
+            self.drift = self.anchor.sync(model, self.outer.step, self.comm_dtype, self.counts,
+                                          self.slots)
         self.counters.averagings += 1
         self.counters.max_replica_drift = max(self.counters.max_replica_drift, self.drift)
         self.synced = True
@@ -230,8 +248,10 @@ def diloco(every: int = 32, warmup_windows: int = 0, comm_dtype: str = "fp32",
     """sync=diloco: the configured optimizer is the inner one; every `every` windows an outer SGD
     (Nesterov momentum by default, as in the paper) steps the global weights on the mean
     pseudo-gradient and every rank continues from them."""
-    return ModelAveraging("diloco", every, warmup_windows, comm_dtype,
-                          OuterSGD(outer_lr, outer_momentum, outer_nesterov), counts)
+    # lr 1 without momentum is the plain mean: local SGD's update (and its direct round)
+    outer = MeanModel() if outer_lr == 1 and outer_momentum == 0 else \
+        OuterSGD(outer_lr, outer_momentum, outer_nesterov)
+    return ModelAveraging("diloco", every, warmup_windows, comm_dtype, outer, counts)
 
 
 diloco.renamed = local_sgd.renamed  # type: ignore[attr-defined]
