@@ -25,6 +25,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
     snaps: list[tuple] = []
     scales: list[float] = []
     shm_used = []  # True per averaging that went through the shared-memory slots
+    drifts: dict = {}  # windows done -> this rank's own drift, per averaging
 
     def recording(p):
         policy = p.policy  # the LocalSGD / DiLoCo policy object, its own averager
@@ -37,6 +38,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
             policy.drift = None
             average(*args)
             if policy.drift is not None:
+                drifts[policy.windows] = policy.drift
                 shm_used.append(before is not None and not torch.equal(
                     before, slots.slots[dist.get_rank(), :8]))
 
@@ -65,7 +67,7 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
 
     summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
     out: dict = {"summary": summary, "snaps": snaps, "scales": scales,
-                 "averaged_through_shm": shm_used}
+                 "averaged_through_shm": shm_used, "drifts": drifts}
     if dist.get_rank() == 0:
         out["rows"] = rows
         out["ckpt"] = checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")

@@ -23,7 +23,6 @@ NAMES = {
     "optimizer_step": "overflow_agreement",
     "AdaptiveSchedule.after_window": "schedule",
     "Averaging.after_window": "averaging",
-    "StepLog._max_drift_over_ranks": "drift",
     "StepLog.flush": "loss",
     "check_replicas": "replica_check",
     "Evaluation.after_window": "evaluation",

@@ -55,16 +55,21 @@ def test_a_tensor_off_the_models_device_is_refused_before_a_default_group_collec
                             "it on the model's device")
 
 
-def test_local_sgd_drift_is_max_reduced_on_the_models_device(monkeypatch):
+def test_local_sgd_drift_is_reduced_on_the_models_device(monkeypatch):
     """Fault 1: the log step's MAX all-reduce of the replicas' drift got a CPU float64 tensor:
-    on nccl, a crash at the first log step after an averaging."""
+    on nccl, a crash at the first log step after an averaging. The drifts now ride on the
+    losses' all-reduce, in a block built on the model's device."""
     seen: list[torch.device] = []
     monkeypatch.setattr(callbacks.dist, "all_reduce", nccl_like(seen))
-    p = SimpleNamespace(device=CUDA, world_size=2)
+    monkeypatch.setattr(callbacks.dist, "get_rank", lambda group=None: 1)
+    p = SimpleNamespace(device=CUDA, world_size=2, noise=None)
     steps = callbacks.StepLog.__new__(callbacks.StepLog)
     steps.p, steps.rows = p, [{"window": 4, "replica_drift": 0.25}, {"window": 5}]
-    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(Handed):
-        steps._max_drift_over_ranks()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        steps.losses = [torch.zeros((), device=CUDA), torch.zeros((), device=CUDA)]
+        assert steps._drift_slots(steps.rows[:1]).device == CUDA
+        with pytest.raises(Handed):
+            steps.flush(SimpleNamespace(), None)
     assert seen == [CUDA]
 
 

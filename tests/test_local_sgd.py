@@ -62,10 +62,14 @@ def test_replicas_are_bitwise_equal_right_after_each_averaging_and_apart_between
 
 
 def test_drift_is_logged_at_every_averaging_and_its_max_in_the_summary(local):
-    r0, _ = local
+    r0, r1 = local
     drift = {r["window"]: r["replica_drift"] for r in r0["rows"] if "replica_drift" in r}
     assert set(drift) == {5, 8, 11, 12}  # the final averaging's drift in the last row
     assert all(0 < d < 1 for d in drift.values())
+    # each row holds the max over ranks of the ranks' own drifts (riding on the loss's
+    # all-reduce), and the ranks' own drifts differ
+    assert drift == {w: max(r0["drifts"][w], r1["drifts"][w]) for w in drift}
+    assert any(r0["drifts"][w] != r1["drifts"][w] for w in drift)
     print(f"replica drift before each averaging: {drift}")
     assert r0["summary"]["max_replica_drift"] == max(drift.values())
     assert r0["summary"]["averagings"] == 4

@@ -72,20 +72,16 @@ class StepLog:
         self.losses: list[torch.Tensor] = []
         self.mark_t, self.mark_samples = state.train_s, state.samples_seen
 
-    def _max_drift_over_ranks(self) -> None:
-        """Rows of windows that averaged hold this rank's drift: the max over ranks replaces
-        it (every rank averaged at the same windows, so all join this all-reduce or none)."""
-        rows = [r for r in self.rows if "replica_drift" in r]
-        if not rows:
-            return
-        # on the model's device: nccl (or a cuda:gloo group) serves no CPU tensor
-        drifts = torch.tensor([r["replica_drift"] for r in rows], dtype=torch.float64,
-                              device=self.p.device)
-        if self.p.world_size > 1:
-            dist.all_reduce(drifts, op=dist.ReduceOp.MAX)
-        for row, drift in zip(rows, drifts.tolist(), strict=True):
-            row["replica_drift"] = drift
-            self.log.scalars(row["window"], {"sync/replica_drift": drift})
+    def _drift_slots(self, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """Rows of windows that averaged hold this rank's drift: put in this rank's slot of a
+        [rows, world] block of zeros, float64 on the model's device (nccl serves no CPU
+        tensor), it rides on the losses' all-reduce, after which each row of the block holds
+        every rank's drift (every rank averaged at the same windows: the same block shape)."""
+        device, rank = self.p.device, dist.get_rank() if self.p.world_size > 1 else 0
+        mine = torch.tensor([[r["replica_drift"]] for r in rows], dtype=torch.float64,
+                            device=device)
+        return torch.where(torch.arange(self.p.world_size, device=device) == rank, mine,
+                           0.0).flatten()
 
     def add(self, row: dict[str, Any], local_loss: torch.Tensor) -> None:
         row |= _spent(self.p, self.state)  # where the run stands on the sweep summary's axes
@@ -96,19 +92,25 @@ class StepLog:
         if not self.rows:
             return
         grad_norm = None if norm is None else float(norm)
-        losses = torch.stack(self.losses).double()
+        n, world = len(self.losses), self.p.world_size
+        averaged = [r for r in self.rows if "replica_drift" in r]
+        carry = torch.stack(self.losses).double()
+        if averaged:  # the drifts ride on the losses' all-reduce: one collective
+            carry = torch.cat([carry, self._drift_slots(averaged)])
         noise = self.p.noise
         if noise is not None:  # the windows' noise-scale rows ride on the same all-reduce
-            losses = noise.flush(losses)  # type: ignore[assignment]
-        elif self.p.world_size > 1:
-            dist.all_reduce(losses)
-        if self.p.world_size > 1:
-            losses /= self.p.world_size
-        for row, loss in zip(self.rows, losses.tolist(), strict=True):
+            carry = noise.flush(carry)  # type: ignore[assignment]
+        elif world > 1:
+            dist.all_reduce(carry)
+        # the mean loss over ranks, and each averaging's max drift over ranks: one host read
+        read = torch.cat([carry[:n] / world, carry[n:].view(-1, world).amax(1)]).tolist()
+        for row, loss in zip(self.rows, read[:n], strict=True):
             row["loss"] = loss
             if noise is not None:
                 row |= noise.take(row["window"])
-        self._max_drift_over_ranks()
+        for row, drift in zip(averaged, read[n:], strict=True):
+            row["replica_drift"] = drift
+            self.log.scalars(row["window"], {"sync/replica_drift": drift})
         for row in self.rows:  # rank 0's, every step (engine.trace_sync; None on CUDA: n/a)
             traced = {f"sync/{k[5:]}": row[k] for k in ("sync_wait_ms", "sync_overlap")
                       if row.get(k) is not None}

@@ -37,7 +37,8 @@ collectives in the same order; those of one step, in order (tests/test_loop.py h
 5. ``averaging``: the policy's averager (local SGD, DiLoCo, sync.groups with `every`) every H
    windows
 6. ``loss``: at a log point, the windows' losses over ranks (the noise scale's rows ride on
-   it), then ``drift``: the replicas' drift (MAX), when the logged windows averaged
+   it, and so do the replicas' drifts when the logged windows averaged: a slot per rank, the
+   max taken after)
 7. ``replica_check``: trainer.check_replicas, every K steps
 8. ``evaluation``: trainer.eval_every, every K steps
 9. ``stop``: the stop agreement (async, on the control group)
