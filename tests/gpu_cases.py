@@ -34,7 +34,8 @@ def hot_path(precision: str) -> dict:
     from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
-    from gradsync.train.schedules import Shard, plan_epoch
+    from gradsync.train.schedules import Shard
+    from windows import plan_epoch
 
     device = one_rank_nccl()
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",

@@ -19,9 +19,9 @@ from gradsync.train.schedules import (
     Shard,
     Window,
     build_schedule,
-    plan_epoch,
     total_optimizer_steps,
 )
+from windows import plan_epoch
 
 
 def test_plan_epoch_counts_short_last_micro_batch_and_partial_window():

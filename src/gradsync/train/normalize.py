@@ -4,7 +4,7 @@ optimizer step (``loss.normalize``).
 
 - ``samples``: the window's real sample count over all ranks, divided by the world size (DDP's
   average over ranks completes the mean), known in advance from the window plan
-  (schedules.plan_epoch): the samples the DistributedSampler repeats to even out the ranks are
+  (schedules.cut_window): the samples the DistributedSampler repeats to even out the ranks are
   neither in the loss (the loop drops them) nor in the count. No communication at all. On
   token data each sequence's own mean token loss counts as its sample loss.
 - ``tokens``: the global count of loss (non-padding) tokens in the window, over every
@@ -135,7 +135,7 @@ class ByTokens:
             self.work, self.factor = None, None
             self.own, self.real = self.local(), window.real
             # Any constant equal on every rank gives the same step (local_samples is: see
-            # plan_epoch); the expected local token count keeps the backward's magnitudes
+            # cut_window); the expected local token count keeps the backward's magnitudes
             # (and the fp16 scaler) near those of a per-token mean.
             self.constant = window.local_samples * self.tokens_per_sample
         self.tokens += counts.sum()

@@ -211,18 +211,9 @@ def cut_window(shard: Shard, micro_batch_size: int, start: int, accum_steps: int
                   shard.global_real(first, last))
 
 
-def plan_epoch(shard: Shard, micro_batch_size: int, accum_steps: int) -> list[Window]:
-    """One rank's epoch cut into windows of accum_steps micro-batches (cut_window's)."""
-    windows, start = [], 0
-    while start < micro_batches(shard, micro_batch_size):
-        windows.append(cut_window(shard, micro_batch_size, start, accum_steps))
-        start = windows[-1].stop
-    return windows
-
-
 def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: int) -> int:
-    """Windows per epoch (plan_epoch's count): the same on every rank, so one rank holding
-    local_samples tells."""
+    """Windows per epoch (cut_window's, one after another): the same on every rank, so one
+    rank holding local_samples tells."""
     return -(-micro_batches(Shard(local_samples), micro) // schedule.accum_steps(epoch))
 
 
