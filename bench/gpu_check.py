@@ -731,7 +731,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
     from gradsync.train.lr_scaling import ScaledLR
-    from gradsync.train.schedules import Shard, plan_epoch
+    from gradsync.train.schedules import Shard, cut_window
 
     cuda = device.type == "cuda"
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
@@ -739,19 +739,19 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     preflight(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
     shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
-    plan = plan_epoch(shard, p.micro_batch_size, ACCUM)
     batches = epoch_batches(p.loader, 0)
     averager = p.policy.averager
     if averager is not None:
         averager.start(p.engine.module, 0)
 
     def window(k: int) -> None:  # train()'s window, but its logging
-        run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
+        cut = cut_window(shard, p.micro_batch_size, k * ACCUM, ACCUM)  # the epoch's k-th
+        run_window(p.engine, batches, cut, p.policy, p.precision, p.loss, p.device,
                    p.normalizer, p.noise)
         if p.noise is not None:
-            p.noise.end_window(k + 1, plan[k], p.normalizer, p.precision, p.engine.parameters())
+            p.noise.end_window(k + 1, cut, p.normalizer, p.precision, p.engine.parameters())
         if isinstance(p.lr_scheduler, ScaledLR):
-            p.lr_scheduler.before_step(plan[k], p.noise)
+            p.lr_scheduler.before_step(cut, p.noise)
         stepped, _ = optimizer_step(p, want_norm=False)
         if stepped:
             p.schedule.after_step(k + 1, p.noise)
