@@ -334,3 +334,36 @@ def test_a_slurm_task_becomes_an_env_rank(monkeypatch):
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "4")
     assert os.environ["MASTER_ADDR"] == "gpu017"
     assert ports[0] == ports[1] and 20000 <= int(ports[0]) <= 60000
+
+
+class _EndsBetweenLooks:
+    """A rank's process that was still running when the supervisor noted the exits and had
+    ended (killed) by the time it counted the living: the last ranks of a failed job, killed at
+    once after the grace period."""
+
+    pid = None
+
+    def __init__(self, code: int):
+        self.code, self.reads = code, 0
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads += 1
+        return None if self.reads == 1 else self.code
+
+    def join(self) -> None:
+        pass
+
+
+def test_ranks_that_end_between_the_supervisors_looks_still_fail_the_job():
+    """The supervisor noted exits, then counted the living: ranks killed in between were in
+    neither list, and a failed job read as one whose rank 0 ended cleanly without a summary
+    ("exited (exit code 0) without the run's summary", seen in full-suite runs)."""
+    from gradsync.run.launch import Watch, WorkerFailed
+
+    watch = Watch(timeout_s=5)
+    watch.procs = [_EndsBetweenLooks(-signal.SIGKILL), _EndsBetweenLooks(-signal.SIGKILL)]
+    with pytest.raises(WorkerFailed) as e:
+        watch.supervise()
+    assert str(e.value).endswith("process exited (killed by SIGKILL)"), str(e.value)
+    assert watch.exit_order == [0, 1]

@@ -374,9 +374,7 @@ class Watch:
             self._send(self.forwarded)
         failed_at = None
         while True:
-            for rank, proc in enumerate(self.procs):
-                if proc.exitcode is not None and rank not in self.exit_order:
-                    self.exit_order.append(rank)
+            self._note_exits()
             self._read_reports()
             self._read_summary()
             alive = [p for p in self.procs if p.exitcode is None]
@@ -398,6 +396,9 @@ class Watch:
             multiprocessing.connection.wait([p.sentinel for p in alive] + waiting, timeout=0.5)
         for proc in self.procs:
             proc.join()
+        # the ranks that ended after the loop last looked (between its look and `alive`: a
+        # kill of the last ones): without them a failed job read as one that ended cleanly
+        self._note_exits()
         self._read_reports()
         self._read_summary()
         failed = [r for r in self.exit_order if self.procs[r].exitcode]
@@ -414,6 +415,12 @@ class Watch:
         if self.procs and not self.summary and not self.signum:  # rank 0 always sends one
             raise WorkerFailed(0, "exited (exit code 0) without the run's summary; see "
                                "logs/rank0.log")
+
+    def _note_exits(self) -> None:
+        """Ranks whose process has ended, in the order the supervisor saw them end."""
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None and rank not in self.exit_order:
+                self.exit_order.append(rank)
 
     def _read_reports(self) -> None:
         """Take what a rank reported; a pipe closed without a report (the rank exited, or
