@@ -21,9 +21,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import get_total_norm
 
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.shm_allreduce import SharedSlots, mean_through_slots
+from gradsync.sync.shm_allreduce import (
+    SharedSlots,
+    average_through_slots,
+    mean_through_slots,
+    views,
+)
 
 
 class Averager:
@@ -91,7 +97,7 @@ def average_(tensors: list[torch.Tensor], wire_dtype: torch.dtype | None,
         return
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     mean = mean_over_ranks(flat, wire_dtype, counts)
-    for t, m in zip(tensors, _views(mean, tensors), strict=True):
+    for t, m in zip(tensors, views(mean, tensors), strict=True):
         t.copy_(m)
 
 
@@ -121,15 +127,6 @@ def float_state(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.
     return params, buffers
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of `flat` shaped as the tensors of `like`."""
-    views, offset = [], 0
-    for t in like:
-        views.append(flat[offset:offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
-
-
 # An outer update: (global tensors, their mean pseudo-gradients) -> None, in place on global.
 OuterStep = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 
@@ -138,11 +135,6 @@ def plain_average(global_: list[torch.Tensor], pseudo: list[torch.Tensor]) -> No
     """global - mean(global - local) = mean(local): model averaging."""
     if global_:
         torch._foreach_sub_(global_, pseudo)
-
-
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of tensors taken together (as one flat vector), on their device."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
 
 
 def average_replicas(model: torch.nn.Module, counts: CommCounts,
@@ -159,34 +151,20 @@ def average_replicas(model: torch.nn.Module, counts: CommCounts,
     dtype, world = replica[0].dtype, dist.get_world_size()
     counts.allreduce_calls += 1
     counts.allreduce_bytes += numel * dtype.itemsize
-    if slots is not None and not slots.offset and numel * dtype.itemsize <= slots.slots.shape[1]:
-        scaled = slots.region(slots.rank, numel, dtype)  # this rank's theta_r / world
-        for d, t in zip(_views(scaled, replica), replica, strict=True):
-            torch.div(t, world, out=d)
-        slots.barrier()  # every slot is written
-        others = [_views(slots.region(r, numel, dtype), replica) for r in range(world)]
-        with torch.no_grad():
-            for i, t in enumerate(replica):  # the slots summed in rank order, as the hook sums
-                if world == 1:
-                    t.copy_(others[0][i])
-                else:
-                    torch.add(others[0][i], others[1][i], out=t)
-                for s in others[2:]:
-                    t.add_(s[i])
-        slots.barrier()  # every slot is read: this rank's may hold the drift's difference
-    else:
+    scaled = average_through_slots(slots, replica) if slots is not None else None
+    if scaled is None:  # no slots, or the replica does not fit one
         scaled = torch.cat([t.reshape(-1) for t in replica]).div_(world)
         mean = scaled.clone()
         dist.all_reduce(mean)
         with torch.no_grad():
-            for t, m in zip(replica, _views(mean, replica), strict=True):
+            for t, m in zip(replica, views(mean, replica), strict=True):
                 t.copy_(m)
     # theta_r - theta_mean, written over the scaled copy (world * (theta_r / world) is theta_r
     # for a power-of-two world size: no rounding), then the drift's one host read
-    diff = _views(scaled, replica)
+    diff = views(scaled, replica)
     for d, t in zip(diff, replica, strict=True):
         torch.add(t, d, alpha=-world, out=d)
-    num, den = _norm(diff), _norm(replica)
+    num, den = get_total_norm(diff), get_total_norm(replica)
     return float(torch.where(den > 0, num / den, num))
 
 
@@ -207,10 +185,10 @@ class Anchor:
             device = tensors[0].device
         self.flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32,
                                 device=device)
-        views = _views(self.flat, tensors)
-        for v, t in zip(views, tensors, strict=True):
+        cut = views(self.flat, tensors)
+        for v, t in zip(cut, tensors, strict=True):
             v.copy_(t)
-        self.params, self.buffers = views[:len(params)], views[len(params):]
+        self.params, self.buffers = cut[:len(params)], cut[len(params):]
         self.local = torch.empty_like(self.flat)  # this rank's pseudo-gradient of a round
 
     @classmethod
@@ -224,7 +202,7 @@ class Anchor:
         params, buffers = float_state(model)
         replica = [t.detach() for t in params + buffers]
         mine = self.params + self.buffers
-        for d, g, t in zip(_views(self.local, replica), mine, replica, strict=True):
+        for d, g, t in zip(views(self.local, replica), mine, replica, strict=True):
             torch.sub(g, t, out=d)  # this rank's pseudo-gradient global - local
         mean = mean_over_ranks(self.local, wire_dtype, counts, slots)  # pseudo-gradient
         # theta_r - theta_mean = (g - local_pseudo_r) - (g - mean_pseudo) = mean - local
@@ -234,7 +212,7 @@ class Anchor:
         # the one host read of a round (docs/gpus-and-slurm.md): the drift, for the counters
         drift = float(torch.where(den > 0, num / den, num))
         n = len(self.params)
-        pseudo = _views(mean, replica)
+        pseudo = views(mean, replica)
         outer(self.params, pseudo[:n])
         plain_average(self.buffers, pseudo[n:])
         with torch.no_grad():

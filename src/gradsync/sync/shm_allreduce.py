@@ -57,7 +57,7 @@ def shm_hook(state: SharedSlots, bucket: dist.GradBucket) -> torch.futures.Futur
     if state.offset + nbytes > state.slots.shape[1]:
         raise RuntimeError(f"shared-memory all-reduce: a backward's buckets exceed the "
                            f"{state.slots.shape[1]} bytes reserved for the gradients")
-    _mean_into(state, buf, dtype, buf)
+    _mean_into(state, [buf], dtype, [buf])
     state.offset += -(-nbytes // ALIGN) * ALIGN
     if bucket.is_last():
         state.barrier()  # every slot is read: the next backward may write
@@ -73,32 +73,64 @@ def mean_through_slots(state: SharedSlots, src: torch.Tensor,
     the hook sums a bucket, into a new tensor of src's dtype; None when it does not fit in a
     slot (the caller all-reduces instead). Between backwards only (a policy's averaging)."""
     dtype = wire_dtype or src.dtype
-    if state.offset or src.numel() * dtype.itemsize > state.slots.shape[1]:
+    if not _fits(state, src.numel(), dtype):
         return None
     out = torch.empty_like(src)
-    _mean_into(state, src, dtype, out)
+    _mean_into(state, [src], dtype, [out])
     state.barrier()  # every slot is read
     return out
 
 
-def _mean_into(state: SharedSlots, src: torch.Tensor, dtype: torch.dtype,
-               out: torch.Tensor) -> None:
-    """src / world_size into this rank's slot (in dtype), then, once every rank has written,
-    the slots summed in rank order into out: the same bits on every rank."""
-    mine = state.region(state.rank, src.numel(), dtype)
-    if dtype == src.dtype:
-        torch.div(src, state.world_size, out=mine)  # one pass: the copy is the division
-    else:  # as DDP's compress hooks: cast, then divide in the wire dtype
-        mine.copy_(src)
-        mine.div_(state.world_size)
+def average_through_slots(state: SharedSlots, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """In place: each of `tensors` (one dtype) becomes its mean over ranks, summed as the hook
+    sums a bucket (the process group's bits). Returns this rank's slot, flat, which still holds
+    its tensors divided by the world size and is this rank's to overwrite until the slots are
+    next used; None when they do not fit (the caller all-reduces instead). Between backwards
+    only (a policy's averaging)."""
+    numel, dtype = sum(t.numel() for t in tensors), tensors[0].dtype
+    if not _fits(state, numel, dtype):
+        return None
+    _mean_into(state, tensors, dtype, tensors)  # each read into the slot before it is written
+    state.barrier()  # every slot is read
+    return state.region(state.rank, numel, dtype)
+
+
+def _fits(state: SharedSlots, numel: int, dtype: torch.dtype) -> bool:
+    """Between backwards (no bucket placed) and within a slot."""
+    return not state.offset and numel * dtype.itemsize <= state.slots.shape[1]
+
+
+def views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` shaped as the tensors of `like`."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _mean_into(state: SharedSlots, srcs: list[torch.Tensor], dtype: torch.dtype,
+               outs: list[torch.Tensor]) -> None:
+    """Each src / world_size into this rank's slot (in dtype, side by side), then, once every
+    rank has written, the slots summed in rank order into the outs (shaped as the srcs): the
+    same bits on every rank."""
+    numel = sum(t.numel() for t in srcs)
+    mine = views(state.region(state.rank, numel, dtype), srcs)
+    for m, src in zip(mine, srcs, strict=True):
+        if dtype == src.dtype:
+            torch.div(src, state.world_size, out=m)  # one pass: the copy is the division
+        else:  # as DDP's compress hooks: cast, then divide in the wire dtype
+            m.copy_(src)
+            m.div_(state.world_size)
     state.barrier()  # every slot is written
-    slots = [state.region(r, src.numel(), dtype) for r in range(state.world_size)]
-    total = out if out.dtype == dtype else torch.empty_like(mine)
-    torch.add(slots[0], slots[1], out=total)
-    for s in slots[2:]:
-        total.add_(s)
-    if total is not out:
-        out.copy_(total)
+    slots = [views(state.region(r, numel, dtype), srcs) for r in range(state.world_size)]
+    for i, out in enumerate(outs):
+        total = out if out.dtype == dtype else torch.empty_like(mine[i])
+        torch.add(slots[0][i], slots[1][i], out=total)
+        for s in slots[2:]:
+            total.add_(s[i])
+        if total is not out:
+            out.copy_(total)
 
 
 def host_id() -> str:
