@@ -339,12 +339,15 @@ def test_a_slurm_task_becomes_an_env_rank(monkeypatch):
 class _EndsBetweenLooks:
     """A rank's process that was still running when the supervisor noted the exits and had
     ended (killed) by the time it counted the living: the last ranks of a failed job, killed at
-    once after the grace period."""
+    once after the grace period. Its sentinel is ready, as an ended process's is."""
 
     pid = None
 
     def __init__(self, code: int):
         self.code, self.reads = code, 0
+        self.sentinel, done = os.pipe()
+        os.write(done, b"x")
+        os.close(done)
 
     @property
     def exitcode(self) -> int | None:
@@ -363,7 +366,11 @@ def test_ranks_that_end_between_the_supervisors_looks_still_fail_the_job():
 
     watch = Watch(timeout_s=5)
     watch.procs = [_EndsBetweenLooks(-signal.SIGKILL), _EndsBetweenLooks(-signal.SIGKILL)]
-    with pytest.raises(WorkerFailed) as e:
-        watch.supervise()
+    try:
+        with pytest.raises(WorkerFailed) as e:
+            watch.supervise()
+    finally:
+        for proc in watch.procs:
+            os.close(proc.sentinel)
     assert str(e.value).endswith("process exited (killed by SIGKILL)"), str(e.value)
     assert watch.exit_order == [0, 1]

@@ -374,10 +374,14 @@ class Watch:
             self._send(self.forwarded)
         failed_at = None
         while True:
-            self._note_exits()
+            for rank, proc in enumerate(self.procs):
+                if proc.exitcode is not None and rank not in self.exit_order:
+                    self.exit_order.append(rank)
             self._read_reports()
             self._read_summary()
-            alive = [p for p in self.procs if p.exitcode is None]
+            # the living from the same look as the exits: a rank that ends after the look
+            # is seen ending at the next one (its sentinel is ready), never missed by both
+            alive = [p for r, p in enumerate(self.procs) if r not in self.exit_order]
             if not alive:
                 break
             # a rank that reported its error has failed, even if its process lingers
@@ -396,9 +400,6 @@ class Watch:
             multiprocessing.connection.wait([p.sentinel for p in alive] + waiting, timeout=0.5)
         for proc in self.procs:
             proc.join()
-        # the ranks that ended after the loop last looked (between its look and `alive`: a
-        # kill of the last ones): without them a failed job read as one that ended cleanly
-        self._note_exits()
         self._read_reports()
         self._read_summary()
         failed = [r for r in self.exit_order if self.procs[r].exitcode]
@@ -415,12 +416,6 @@ class Watch:
         if self.procs and not self.summary and not self.signum:  # rank 0 always sends one
             raise WorkerFailed(0, "exited (exit code 0) without the run's summary; see "
                                "logs/rank0.log")
-
-    def _note_exits(self) -> None:
-        """Ranks whose process has ended, in the order the supervisor saw them end."""
-        for rank, proc in enumerate(self.procs):
-            if proc.exitcode is not None and rank not in self.exit_order:
-                self.exit_order.append(rank)
 
     def _read_reports(self) -> None:
         """Take what a rank reported; a pipe closed without a report (the rank exited, or
