@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import workload as w
 from gradsync.config.schema import RunConfig
+from gradsync.core import numerics
 from gradsync.run.worker import build_parts
 from gradsync.train.loop import Progress, train
 from gradsync.train.metrics import RunLog
@@ -43,6 +44,10 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
     cfg = config(accum, sync, list(overrides))
     w.init()
     rank = dist.get_rank()
+    bits = cfg["trainer"]["bits"]
+    if bits == "portable":  # as a worker checks and applies them (run/worker.py)
+        assert not numerics.pins_missing(), numerics.pins_missing()
+    numerics.apply(bits, "cpu")
     p = build_parts(RunConfig.from_plain(cfg), rank, w.WORLD, torch.device("cpu"))
     p.evaluate = dict
     with tempfile.TemporaryDirectory() as tmp:

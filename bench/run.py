@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from gradsync.core.numerics import worker_environment
+
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
@@ -30,6 +32,9 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     "handwritten": ("handwritten", "run", {}),
     "nocomm": ("handwritten", "run", {"ddp": False}),
     "gradsync always": ("gradsync_runs", "run", {"sync": "always"}),
+    # the same bits on any x86-64 CPU with AVX2 (core/numerics.py): what pinning them costs
+    "gradsync accumulate (portable bits)": (
+        "gradsync_runs", "run", {"sync": "accumulate", "overrides": ("trainer.bits=portable",)}),
     "gradsync accumulate": ("gradsync_runs", "run", {"sync": "accumulate"}),
     # the policy machinery alone: gradsync's loop on the all-reduce the other variants use
     "gradsync accumulate (gloo all-reduce)": (
@@ -121,8 +126,12 @@ def run_variant(name: str, accum: int, count: bool = False, timeout: float = 600
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, 2, port, module, fn, kwargs, accum, count, out))
              for r in range(2)]
-    for p in procs:
-        p.start()
+    # portable bits: the pins in the ranks' environment before they import torch, as the
+    # launcher sets them (run/launch.py)
+    portable = "trainer.bits=portable" in kwargs.get("overrides", ())
+    with worker_environment("portable" if portable else "native"):
+        for p in procs:
+            p.start()
     results = {}
     try:
         for _ in procs:

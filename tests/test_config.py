@@ -203,6 +203,7 @@ REFUSED = [
     (["engine.bucket_cap_mb=0"], "engine.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
+    (["trainer.bits=exact"], "trainer.bits='exact' is not allowed: one of native, portable"),
     # issue 26: values that reached the workers (tests/test_options.py covers every option)
     (["optimizer.fused=maybe"],
      "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes bool | None"),

@@ -5,6 +5,7 @@ docstring gives, and a policy with nothing but should_sync trains on every engin
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -13,19 +14,19 @@ import torch
 
 import dist_cases
 import loop_cases
+from cli_jobs import Job
 from configs import SAME, losses, plain_cfg
-from gradsync.config.schema import RunConfig
-from gradsync.run.worker import run_training
 from gradsync.train import checkpoint
 
 # --- the default experiment, bitwise ---------------------------------------------------------
 # `make train`'s config (digits, the MLP, SGD + cosine, accumulate), 30 optimizer steps on one
-# rank with one intra-op thread, as trained at da9f304 (before the loop's callbacks): the
-# sha256 of its final parameters (sorted by name, raw bytes) and its final loss, bitwise.
+# rank with one intra-op thread, in portable bits (the same bits on any x86-64 CPU with AVX2:
+# core/numerics.py), as trained at da9f304 (before the loop's callbacks) under the same pins:
+# the sha256 of its final parameters (sorted by name, raw bytes) and its final loss, bitwise.
 DEFAULT_RUN = ["trainer.devices=1", "trainer.max_steps=30", "trainer.progress_bar=false",
-               "trainer.threads_per_worker=1"]
-DEFAULT_PARAMS_SHA256 = "8d175ee4c3cd575b"
-DEFAULT_FINAL_LOSS = "0x1.c9f2fe0000000p+0"
+               "trainer.threads_per_worker=1", "trainer.bits=portable"]
+DEFAULT_PARAMS_SHA256 = "e7d76bbbcba0bcb5"
+DEFAULT_FINAL_LOSS = "0x1.c9f3000000000p+0"
 
 
 def params_hash(params: dict[str, torch.Tensor]) -> str:
@@ -36,16 +37,14 @@ def params_hash(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def test_the_default_experiment_trains_bitwise_what_it_trained_before(single_process_group,
-                                                                       tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the worker sets it (trainer.threads_per_worker=1)
-    try:
-        summary = run_training(RunConfig.from_plain(plain_cfg(DEFAULT_RUN)), tmp_path)
-    finally:
-        torch.set_num_threads(threads)
-    params = checkpoint.load(tmp_path / "checkpoints" / "last.pt")["model"]
+@pytest.mark.slow
+def test_the_default_experiment_trains_bitwise_what_it_trained_before(tmp_path, cli_env):
+    code, _, err = Job(tmp_path / "run", DEFAULT_RUN, cli_env).finish()
+    assert code == 0, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    params = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["model"]
     assert summary["optimizer_steps"] == 30 and summary["windows"] == 30
+    assert summary["numerics"]["cpu"]["capability"] == "AVX2"  # pinned on every CPU
     assert float(summary["final_train_loss"]).hex() == DEFAULT_FINAL_LOSS
     assert params_hash(params) == DEFAULT_PARAMS_SHA256
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from gradsync.components import ConfigError, accepts, require
+from gradsync.core.numerics import BITS
 
 
 def finite(x: Any) -> bool:
@@ -76,6 +77,7 @@ class TrainerConfig:
     clip_grad_norm: float = 0.0  # 0: no clipping
     timeout_s: int = 300  # process-group timeout
     deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
+    bits: str = "native"  # native | portable: the CPU numerics pinned (core/numerics.py)
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
@@ -100,6 +102,7 @@ class TrainerConfig:
                 "trainer.clip_grad_norm", "a finite number >= 0 (0: off)", self.clip_grad_norm)
         require(self.backend in BACKENDS, "trainer.backend", f"one of {', '.join(BACKENDS)}",
                 self.backend)
+        require(self.bits in BITS, "trainer.bits", f"one of {', '.join(BITS)}", self.bits)
 
 
 @dataclass

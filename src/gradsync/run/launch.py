@@ -41,6 +41,7 @@ import torch.distributed as dist
 from gradsync.config.schema import RunConfig
 from gradsync.core.lifeline import ENV as LAUNCHER_ENV
 from gradsync.core.lifeline import bind_from_environment
+from gradsync.core.numerics import worker_environment
 from gradsync.run.faults import (
     exit_now,
     process_stat,
@@ -189,15 +190,17 @@ def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-def start_method(placement: Placement) -> str:
+def start_method(placement: Placement, bits: str = "native") -> str:
     """fork for CPU workers while this process holds no CUDA context: a forked worker starts
     with what the launcher already imported (torch; the compiler stack an optimizer's
     constructor imports; gradsync), where a spawned one spends seconds importing it again; a
     sweep pays that at every job. spawn for CUDA (a forked child cannot use a CUDA context, and
-    an nccl job's launcher may have touched one), or when GRADSYNC_START_METHOD=spawn."""
+    an nccl job's launcher may have touched one), for trainer.bits=portable (its pins must be in
+    the environment before torch loads: core/numerics.py), or when
+    GRADSYNC_START_METHOD=spawn."""
     import torch
 
-    if os.environ.get("GRADSYNC_START_METHOD") == "spawn":
+    if os.environ.get("GRADSYNC_START_METHOD") == "spawn" or bits == "portable":
         return "spawn"
     if placement.backend == "gloo" and not torch.cuda.is_initialized():
         return "fork"
@@ -287,7 +290,7 @@ class Watch:
         pickled: no error file in a shared temporary dir), rank 0 with one more for the run's
         summary (JSON); each with this launcher's pid in its environment (core/lifeline.py) and the
         run dir's `lock`."""
-        ctx: Any = multiprocessing.get_context(start_method(placement))
+        ctx: Any = multiprocessing.get_context(start_method(placement, cfg.trainer.bits))
         os.environ[LAUNCHER_ENV] = str(os.getpid())
         try:
             for rank in range(placement.world_size):
@@ -301,7 +304,8 @@ class Watch:
                     Inherited(lock)))
                 self.procs.append(proc)
                 try:
-                    proc.start()
+                    with worker_environment(cfg.trainer.bits):  # portable bits: the pins
+                        proc.start()
                 finally:
                     writer.close()  # the rank holds its own copy
                     if summary_to is not None:

@@ -36,6 +36,7 @@ from gradsync.config.hydra import (
 from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError
+from gradsync.core.numerics import NumericsError, check_portable
 from gradsync.core.ranks import is_rank0
 from gradsync.engines import capabilities
 from gradsync.engines.trace import merge as merge_trace
@@ -115,6 +116,8 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         cfg = preflight(plain, placement)
         if placement.backend == "nccl":
             check_cuda(placement, cfg.precision.name)
+        if cfg.trainer.bits == "portable":
+            check_portable(placement.launched_by if not placement.spawns else None)
     except Exception as e:  # a component's own check may raise anything: still one line
         if _traceback_wanted():
             raise
@@ -135,7 +138,8 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
 def _config_message(e: Exception) -> str:
     """A config check's error as one line: a ConfigError's own words, anything else (a
     component's own check) with its type."""
-    return first_line(str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}")
+    return first_line(str(e) if isinstance(e, (ConfigError, NumericsError))
+                      else f"{type(e).__name__}: {e}")
 
 
 def _refuse(mode: RunMode | None, run_dir: Path, claim: Claim, kind: str, message: str) -> dict:

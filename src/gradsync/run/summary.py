@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from gradsync.core import numerics
 from gradsync.core.devices import device_name
 from gradsync.run import slurm
 from gradsync.train.loop import Parts, Progress
@@ -52,7 +53,8 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
                 "groups": c.sharded_groups},
             "memory": p.engine.memory.summary(),
-            "compile": p.engine.compiled.report() if p.engine.compiled else None}
+            "compile": p.engine.compiled.report() if p.engine.compiled else None,
+            "numerics": numerics.key(p.numerics)}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
 
@@ -92,6 +94,10 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "engine": p.engine.describe(),
         "allreduce": p.engine.transport,
         "seed": seed,
+        # what rank 0 computed with; ranks that computed otherwise (another CPU kind, say)
+        "numerics": p.numerics,
+        "numerics_ranks_differ": [r for r, k in enumerate(per_rank("numerics"))
+                                  if k != per_rank("numerics")[0]],
     } | (averaging_summary(per_rank("averaging")) if a is not None else {}) \
       | group_summary(per_rank("groups")) | trace_summary(per_rank("trace")) \
       | sharded_summary(per_rank("sharded")) | memory_summary(per_rank("memory")) \

@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from gradsync.core import numerics
 from gradsync.run.rundir import let_go, take
 from gradsync.train.metrics import final_metrics, write_json_atomic
 
@@ -324,6 +325,8 @@ def table(jobs: list[Job], target: float | None = None,
             reached = to_target(job.evals, target)
             row |= {f"{axis}_to_target": "" if reached is None or not math.isfinite(reached[axis])
                     else reached[axis] for axis in AXES}
+        if s.get("numerics"):  # what the job computed with (core/numerics.py)
+            row["numerics"] = numerics.key(s["numerics"])
         row["error"] = s.get("error", "")
         row["dir"] = str(job.dir)
         rows.append(row)
@@ -414,6 +417,28 @@ def _against_first(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _numerics_line(jobs: list[Job], rows: list[dict[str, Any]]) -> str:
+    """When the jobs computed with different numerics (another CPU kind, torch, thread count or
+    trainer.bits: core/numerics.py), their numbers differ by more than what was swept: say
+    which jobs computed with what."""
+    by_key: dict[str, list[int]] = {}
+    for row in rows:
+        if row.get("numerics"):
+            by_key.setdefault(row["numerics"], []).append(row["job"])
+    if len(by_key) < 2:
+        return ""
+    fps = {job.num: job.summary["numerics"] for job in jobs if job.summary.get("numerics")}
+
+    def what(fp: dict[str, Any]) -> str:
+        return (f"{fp['cpu']['model']}, {fp['cpu']['capability']}, bits={fp['bits']}, "
+                f"torch {fp['torch']}, {fp['threads']} threads")
+
+    groups = "; ".join(f"job{'s' if len(nums) > 1 else ''} {', '.join(map(str, nums))}: "
+                       f"{what(fps[nums[0]])}" for nums in by_key.values())
+    return (f"The jobs computed with {len(by_key)} different numerics (their bits differ by "
+            f"more than what was swept; the CSV's numerics column): {groups}.")
+
+
 def _study_lines(study: Study, rows: list[dict[str, Any]]) -> list[str]:
     """A search's study, and its best trial (the Pareto front of several objectives)."""
     states = [r["trial_state"] for r in rows if r["trial_state"]]
@@ -461,6 +486,9 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
                      "empty: never).")
     if study is not None:
         lines += _study_lines(study, rows)
+    mixed = _numerics_line(jobs, rows)
+    if mixed:
+        lines.append(mixed)
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         cells = [_cell(c, row.get(c, "")).replace("|", "\\|") for c in shown]

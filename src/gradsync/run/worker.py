@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
+from gradsync.core import numerics
 from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import seed_everything, seed_rank
@@ -47,7 +48,7 @@ from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import build_normalizer, resolve, shared_steps
 from gradsync.train.precision import build_precision
-from gradsync.train.repro import prepare_cuda_determinism, set_deterministic
+from gradsync.train.repro import prepare_cuda_determinism, record_numerics, set_deterministic
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 log = logging.getLogger("gradsync")
@@ -151,6 +152,9 @@ def run_training(cfg: RunConfig, run_dir: Path,
     device = placement.device()
     p = build_parts(cfg, rank, world_size, device)
     tr = cfg.trainer
+    p.numerics = numerics.fingerprint(tr.bits)  # threads and deterministic flags set
+    if is_rank0():
+        record_numerics(run_dir / "run_info.json", p.numerics)
     plain = cfg.to_plain()  # what checkpoints record
     # CPU-side agreement and RNG gathering, never a GPU sync (new_group's own default timeout
     # is 30 minutes: use the job's)
@@ -177,11 +181,17 @@ def run_training(cfg: RunConfig, run_dir: Path,
         p.after_window.append(inject_failure(tr.fail_at_step, rank == world_size - 1))
     try:
         resumed_from = agreed_resume(cfg.resume, world_size, control)
-        state = Progress()
+        state, differ = Progress(), []
         if resumed_from is not None:
             state = (sharded_checkpoint.load(p, resumed_from, rank, control) if sharded else
                      trainstate.restore(p, checkpoint.load(resumed_from), rank))
             log.info("resumed from %s at optimizer step %d", resumed_from, state.step)
+            differ = numerics.differences(checkpoint.sidecar(resumed_from).get("numerics"),
+                                          p.numerics)
+            if differ and is_rank0():
+                log.warning("resume: the numerics differ from the checkpoint's (%s): the "
+                            "continuation is not bitwise the uninterrupted run "
+                            "(docs/reproducibility.md)", "; ".join(differ))
         run_log = RunLog(run_dir, active=is_rank0(), total_steps=p.total_steps,
                          progress_bar=tr.progress_bar, start_window=state.windows)
         try:
@@ -196,7 +206,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
             summary.update(status="interrupted" if p.stop.agreed else "completed",
                            stopped_by=signal_name(p.stop.agreed) if p.stop.agreed else None,
                            checkpoint=str(newest[0]) if newest else None,
-                           resumed_from=str(resumed_from) if resumed_from else None)
+                           resumed_from=str(resumed_from) if resumed_from else None,
+                           resumed_numerics_differ=differ if resumed_from else None)
             if p.stop.agreed:
                 log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
                          state.step)
@@ -268,11 +279,19 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
     rank, world_size = placement.rank, placement.world_size
     setup_logging(run_path, rank)
     tr = cfg.trainer
-    threads = tr.threads_per_worker or cpu_threads(
+    # portable bits: a fixed thread count (the bits depend on it), one unless set
+    threads = tr.threads_per_worker or (1 if tr.bits == "portable" else cpu_threads(
         placement.local_world_size,
-        own_mask=not placement.spawns and task_has_own_cpus(usable_cpus()))
+        own_mask=not placement.spawns and task_has_own_cpus(usable_cpus())))
     torch.set_num_threads(threads)
     device = placement.device()
+    if tr.bits == "portable" and numerics.pins_missing():  # the launcher or the entry point
+        raise numerics.NumericsError(  # ... put them there: a rank started some other way
+            f"trainer.bits=portable: rank {rank} runs without the pins "
+            f"({'; '.join(numerics.pins_missing())})")
+    for line in numerics.apply(tr.bits, device.type):
+        if rank == 0:
+            log.info(line)
     if device.type == "cuda":
         prepare_cuda_determinism(tr.deterministic)  # before the first CUDA call
         torch.cuda.set_device(device)  # this rank's context, on its own GPU only

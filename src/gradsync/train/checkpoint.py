@@ -135,7 +135,8 @@ def seal(path: Path, state: dict[str, Any], keep: int, **extra: Any) -> Path:
     size, sha, files = digest(path)
     meta = {"file": path.name, "step": state["step"], "bytes": size, "sha256": sha,
             "world_size": state["world_size"], "config_hash": state["config_hash"],
-            "config": state["config"]} | ({"files": files} if files else {}) | extra
+            "config": state["config"]} | ({"files": files} if files else {}) | (
+            {"numerics": state["numerics"]} if state.get("numerics") else {}) | extra
     write_json_atomic(path.with_suffix(".json"), meta)
     _fsync_dir(path.parent)
     for old in complete(path.parent)[keep:]:
@@ -170,6 +171,15 @@ def complete(ckpt_dir: Path) -> list[Path]:
 # what write() puts in a sidecar and resuming reads: a sidecar without them is corrupt
 SIDECAR = {"step": int, "bytes": int, "sha256": str, "world_size": int, "config_hash": str,
            "config": dict}
+
+
+def sidecar(path: Path) -> dict[str, Any]:
+    """A checkpoint's sidecar as written ({} if it cannot be read: verify says why)."""
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def verify(path: Path) -> dict[str, Any]:

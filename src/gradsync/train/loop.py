@@ -51,7 +51,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.nn.utils import clip_grad_norm_, get_total_norm
@@ -105,6 +105,8 @@ class Parts:
     micro_batch_size: int
     total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
     noise: NoiseScale | None = None  # the gradient noise scale's meter, when measured
+    # what this rank computes with (core/numerics.py fingerprint): checkpoints and the summary
+    numerics: dict[str, Any] = field(default_factory=dict)
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: Stop | None = None  # None: signals are not watched

@@ -98,3 +98,14 @@ def write_run_info(path: Path, info: dict[str, Any]) -> None:
         except (OSError, ValueError):
             pass
     write_json_atomic(path, info)
+
+
+def record_numerics(path: Path, fingerprint: dict[str, Any]) -> None:
+    """Rank 0 adds what it computes with (core/numerics.py) to the run_info.json its job wrote
+    (read in the rank: a portable worker's pins are not the job process's)."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):  # a rank run without the job (tests, one's own loop)
+        return
+    info["numerics"] = fingerprint
+    write_json_atomic(path, info)

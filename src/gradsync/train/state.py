@@ -130,7 +130,7 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any,
     if p.policy.averager is not None and not p.policy.averager.in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
-               config=cfg, config_hash=config_hash(cfg))
+               config=cfg, config_hash=config_hash(cfg), numerics=p.numerics)
     return out
 
 
