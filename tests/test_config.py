@@ -236,7 +236,7 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
 # and for a component check that raises something other than ConfigError.
 BAD = [
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always, amp_aware"),
-    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, check_replicas"),
+    (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, bits, check_replicas"),
     (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, loss, lr_scaling, "
                    "lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),

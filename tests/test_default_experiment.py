@@ -37,5 +37,6 @@ def test_the_default_experiment_trains_the_recorded_bits(tmp_path, cli_env):
     assert code == 0, err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 360 and summary["threads"] == [1, 1]
+    assert summary["numerics_ranks_differ"] == []  # both ranks computed alike
     assert summary["final_train_loss"] == RECORDED_LOSS
     assert _digest(checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]) == RECORDED
