@@ -724,39 +724,33 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
     import torch
 
     from gradsync.config.schema import RunConfig
-    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
     from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
-    from gradsync.train.loop import optimizer_step, run_window
-    from gradsync.train.lr_scaling import ScaledLR
-    from gradsync.train.schedules import Shard, cut_window
+    from gradsync.sync.averaging import Averager
+    from gradsync.train.loop import Progress, average, before_step, optimizer_step, run_window
+    from gradsync.train.windows import windows
 
     cuda = device.type == "cuda"
     cfg = compose_plain([f"trainer.backend={TARGET.backend}", "trainer.devices=1",
                          "data=synthetic", "data.num_samples=2048", *with_accum(overrides)])
     preflight(cfg, Placement(TARGET.backend, 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
-    shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
-    batches = epoch_batches(p.loader, 0)
-    averager = p.policy.averager
-    if averager is not None:
-        averager.start(p.engine.module, 0)
+    epoch = windows(p.loader, 0, ACCUM, device=p.device)
+    averager = p.policy.averager or Averager()
+    averager.start(p.engine.module, 0)
 
-    def window(k: int) -> None:  # train()'s window, but its logging
-        cut = cut_window(shard, p.micro_batch_size, k * ACCUM, ACCUM)  # the epoch's k-th
-        run_window(p.engine, batches, cut, p.policy, p.precision, p.loss, p.device,
-                   p.normalizer, p.noise)
-        if p.noise is not None:
-            p.noise.end_window(k + 1, cut, p.normalizer, p.precision, p.engine.parameters())
-        if isinstance(p.lr_scheduler, ScaledLR):
-            p.lr_scheduler.before_step(cut, p.noise)
-        stepped, _ = optimizer_step(p, want_norm=False)
+    def window(k: int) -> None:  # train()'s window (train/loop.py), but its logging
+        cut = next(epoch)  # the epoch's k-th
+        run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision, p.noise)
+        before_step(p, Progress(windows=k), cut)
+        stepped, _ = optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer,
+                                    precision=p.precision, lr_scheduler=p.lr_scheduler,
+                                    clip_grad_norm=p.trainer.clip_grad_norm)
         if stepped:
             p.schedule.after_step(k + 1, p.noise)
-        if averager is not None:
-            averager.after_window(p.engine.module, k + 1)
+        average(averager, p.engine.module, k + 1, False)
 
     for k in range(SETUP):
         window(k)

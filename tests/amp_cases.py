@@ -22,7 +22,7 @@ from gradsync.train.loop import Progress, optimizer_step, run_window, train
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import BySamples
 from gradsync.train.precision import Precision, overflow_handling
-from gradsync.train.schedules import Window
+from gradsync.train.windows import Window
 
 MICRO = [3, 3, 3, 3]  # one window of four micro-batches per rank
 
@@ -74,10 +74,12 @@ def overflow_on_rank0(sync_cfg: dict, init_scale: float) -> dict:
             return mse_per_sample(out, y)
 
         n = sum(MICRO)
-        run_window(engine, batches(), Window(0, len(MICRO), n, n, n * dist.get_world_size()),
-                   policy, precision, loss_fn, torch.device("cpu"), p.normalizer)
+        run_window(engine, Window(0, len(MICRO), n, n, n * dist.get_world_size(),
+                                  batches=batches()), policy, loss_fn, p.normalizer, precision)
         syncs_before_step = counts.sync_backwards
-        stepped, _ = optimizer_step(p, want_norm=False)
+        stepped, _ = optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer,
+                                    precision=p.precision, lr_scheduler=p.lr_scheduler,
+                                    clip_grad_norm=p.trainer.clip_grad_norm)
         windows.append({
             "drawn": drawn, "computed": len(scales), "scales_seen": scales,
             "sync_backwards": syncs_before_step, "stepped": stepped,
@@ -116,10 +118,13 @@ def overflow_in_the_all_reduce(comm_dtype: str) -> dict:
     sync = {"name": "amp_aware", "comm_dtype": comm_dtype, "overflow_consensus": True}
     p, counts = _fp16_parts(sync, 30000.0 / biggest, model)
     initial = _params(model)
-    run_window(p.engine, iter([(x, y)] * 4), Window(0, 4, 12, 12, 12 * dist.get_world_size()),
-               p.policy, p.precision, mse_per_sample, torch.device("cpu"), p.normalizer)
+    run_window(p.engine, Window(0, 4, 12, 12, 12 * dist.get_world_size(),
+                                batches=iter([(x, y)] * 4)),
+               p.policy, mse_per_sample, p.normalizer, p.precision)
     scale_before = p.precision.scale
-    stepped, _ = optimizer_step(p, want_norm=False)
+    stepped, _ = optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer,
+                                precision=p.precision, lr_scheduler=p.lr_scheduler,
+                                clip_grad_norm=p.trainer.clip_grad_norm)
     return {"stepped": stepped, "scale_before": scale_before, "scale_after": p.precision.scale,
             "sync_backwards": counts.sync_backwards, "overflow": vars(p.precision.overflow).copy(),
             "moved": max((a - b).abs().max().item()

@@ -24,7 +24,7 @@ from gradsync.train import checkpoint
 from gradsync.train.loop import run_window
 from gradsync.train.normalize import BySamples, build_normalizer
 from gradsync.train.precision import Precision
-from gradsync.train.schedules import Window
+from gradsync.train.windows import Window
 
 
 def window_data(seed: int, world: int, micro_sizes: list[int], in_dim: int = 6, out_dim: int = 3):
@@ -68,12 +68,11 @@ def grads_per_micro_step(policy_name: str, micro_sizes: list[int]) -> dict:
                 snaps.append(flat_grad())
             yield b
 
-    it = batches()
     window = Window(0, len(micro_sizes), sum(micro_sizes), sum(micro_sizes),
-                    sum(micro_sizes) * world)
+                    sum(micro_sizes) * world, batches=batches())
 
-    run_window(TorchDDP(ddp), it, window, policy(policy_name), Precision("fp32", "cpu"),
-               mse_per_sample, torch.device("cpu"), BySamples(world))
+    run_window(TorchDDP(ddp), window, policy(policy_name), mse_per_sample, BySamples(world),
+               Precision("fp32", "cpu"))
     snaps.append(flat_grad())
     return {"grads": snaps, "sync_backwards": counts.sync_backwards,
             "allreduce_calls": counts.allreduce_calls, "allreduce_bytes": counts.allreduce_bytes}
@@ -199,9 +198,9 @@ def lm_window_grad(normalize: str, precision: str = "fp32",
     norm = build_normalizer(normalize, "tokens", world, torch.device("cpu"), tokens_per_sample)
     prec = Precision(precision, "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    loss = run_window(TorchDDP(ddp), iter(mine),
-                      Window(0, len(mine), samples, samples, samples * world),
-                      policy("accumulate"), prec, token_loss_per_sample, torch.device("cpu"), norm)
+    loss = run_window(TorchDDP(ddp),
+                      Window(0, len(mine), samples, samples, samples * world, batches=iter(mine)),
+                      policy("accumulate"), token_loss_per_sample, norm, prec)
     prec.unscale(opt)
     norm.before_step(ddp.parameters())
     grad = torch.cat([p.grad.detach().flatten() for p in ddp.parameters()])

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_cases
+from gradsync.core.memory import storage_bytes
 from gradsync.engines import build_engine
 from gradsync.engines.trace import SyncTrace, merge
 from gradsync.sync.averaging import Averager
 from gradsync.sync.comm import CommCounts, InnerHook, Wire
 from gradsync.sync.policies import AlwaysSync, last_micro_batch
-from gradsync.train.memory import storage_bytes
 
 # Net's layers a, b, c: parameters of 120, 20, 100, 20, 60 and 12 bytes; rebuilt with a cap
 # of 50 bytes: [c.bias, c.weight], [b.bias, b.weight], [a.bias, a.weight].

@@ -28,14 +28,12 @@ def hot_path(precision: str) -> dict:
     """The loop's windows (forward, backward, all-reduce, clip, step) under
     torch.cuda.set_sync_debug_mode("error"): any wait for the GPU on the host raises."""
     from gradsync.config.schema import RunConfig
-    from gradsync.data.loader import epoch_batches
     from gradsync.run.main import compose_plain
     from gradsync.run.placement import Placement
     from gradsync.run.preflight import preflight
     from gradsync.run.worker import build_parts
     from gradsync.train.loop import optimizer_step, run_window
-    from gradsync.train.schedules import Shard
-    from windows import plan_epoch
+    from gradsync.train.windows import windows
 
     device = one_rank_nccl()
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
@@ -43,29 +41,30 @@ def hot_path(precision: str) -> dict:
                          "schedule.accum_steps=2", "model.dropout=0.1"])
     preflight(cfg, Placement("nccl", 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
-    shard = Shard(len(p.sampler.dataset), 0, 1)  # type: ignore[arg-type]
-    plan = plan_epoch(shard, p.micro_batch_size, p.schedule.accum_steps(0))
-    batches = epoch_batches(p.loader, 0)
+    epoch = windows(p.loader, 0, p.schedule.accum_steps(0), device=p.device)
 
-    def window(k: int) -> torch.Tensor:
-        loss = run_window(p.engine, batches, plan[k], p.policy, p.precision, p.loss, p.device,
-                          p.normalizer)
-        optimizer_step(p, want_norm=False)
+    def window() -> torch.Tensor | None:
+        cut = next(epoch, None)
+        if cut is None:
+            return None
+        loss = run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision)
+        optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer, precision=p.precision,
+                       clip_grad_norm=p.trainer.clip_grad_norm, lr_scheduler=p.lr_scheduler)
         return loss
 
-    for k in range(2):  # DDP's first iterations (bucket rebuild) are set-up, not the hot path
-        window(k)
+    for _ in range(2):  # DDP's first iterations (bucket rebuild) are set-up, not the hot path
+        window()
     torch.cuda.synchronize()
     losses = []
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for k in range(2, len(plan)):
-            losses.append(window(k))
+        while (loss := window()) is not None:
+            losses.append(loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     values = torch.stack(losses).tolist()  # a logging step: here the host reads them
     dist.destroy_process_group()
-    return {"windows": len(plan) - 2, "finite": all(v == v for v in values)}
+    return {"windows": len(losses), "finite": all(v == v for v in values)}
 
 
 def powersgd_rng() -> dict:

@@ -10,7 +10,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dist_cases
-from gradsync.train import checkpoint
+from gradsync.sync.averaging import Averager
+from gradsync.train import checkpoint, loop
 
 
 def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = -1,
@@ -31,13 +32,15 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
         def params() -> dict[str, torch.Tensor]:
             return {n: q.detach().clone() for n, q in p.engine.module.named_parameters()}
 
-        if averager is None:  # nothing averaged: recorded by a worker's hook after each window
-            def hook(p, state, stepped):
-                snaps.append((state.windows, params()))
-                if state.done(p.trainer):  # the run's end: nothing left to average
+        if averager is None:  # nothing averaged: the loop's stand-in averager records
+            class Recording(Averager):
+                def after_window(self, model, windows_done):
+                    snaps.append((windows_done, params()))
+
+                def finish(self, model):  # the run's end: nothing left to average
                     snaps.append(("finish", params()))
 
-            p.after_window.append(hook)
+            loop.Averager = Recording  # what train() averages with when the policy has none
             return p
         after_window, finish = averager.after_window, averager.finish
 
@@ -52,7 +55,10 @@ def recorded_run(cfg: dict, run_dir: str, inf_rank: int = -1, inf_window: int = 
         averager.after_window, averager.finish = after, done  # type: ignore[method-assign]
         return p
 
-    summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
+    try:
+        summary, rows = dist_cases.run_training_with(recording, cfg, run_dir)
+    finally:
+        loop.Averager = Averager
     out: dict = {"summary": summary, "snaps": snaps}
     if torch.distributed.get_rank() == 0:
         out["rows"] = rows

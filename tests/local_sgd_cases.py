@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dist_cases
-from gradsync.train import checkpoint
+from gradsync.train import checkpoint, loop
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -79,20 +79,27 @@ def non_finite_on_one_rank(cfg: dict, run_dir: str, rank: int, step: int) -> dic
     replica alone: between two averagings): the error each rank stops with, and when."""
     import time
 
-    def poison(p):
-        def after(p, state, stepped):
-            if dist.get_rank() == rank and state.step == step:
-                with torch.no_grad():
-                    next(p.engine.module.parameters()).view(-1)[0] = float("inf")
+    model: list[torch.nn.Module] = []
+    fail_if_asked = loop.fail_if_asked  # where the loop's test aid runs: after the step
 
-        p.after_window.insert(0, after)
+    def poisoned(tr, at, stepped, world_size):
+        fail_if_asked(tr, at, stepped, world_size)
+        if dist.get_rank() == rank and at == step:
+            with torch.no_grad():
+                next(model[0].parameters()).view(-1)[0] = float("inf")
+
+    def poison(p):
+        model.append(p.engine.module)
         return p
 
     start = time.monotonic()
+    loop.fail_if_asked = poisoned
     try:
         dist_cases.run_training_with(poison, cfg, run_dir)
     except FloatingPointError as e:
         return {"error": str(e), "seconds": time.monotonic() - start}
+    finally:
+        loop.fail_if_asked = fail_if_asked
     return {"error": None, "seconds": time.monotonic() - start}
 
 

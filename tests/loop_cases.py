@@ -21,19 +21,18 @@ NAMES = {
     "OverflowConsensus.window_doomed": "doomed_window",
     "run_window": "doomed_window",
     "optimizer_step": "overflow_agreement",
-    "AdaptiveSchedule.after_window": "schedule",
-    "Averaging.after_window": "averaging",
+    "AdaptiveSchedule.after_step": "schedule",
+    "average": "averaging",
     "StepLog.flush": "loss",
     "check_replicas": "replica_check",
-    "Evaluation.after_window": "evaluation",
-    "Evaluation.end": "evaluation",
-    "StopPoll.after_window": "stop",
-    "Checkpoint.after_window": "checkpoint",
+    "evaluate": "evaluation",
+    "StopAgreement.poll": "stop",
+    "save_checkpoint": "checkpoint",
 }
 # collectives outside a step's list: the gradients' own all-reduce (the engine's comm hook), the
 # run's set-up and end (before the first window, after the last)
 OUTSIDE = {"counting_hook": "gradients", "run_training": "setup", "build_parts": "setup",
-           "Logging.end": "end", "StopPoll.end": "end"}
+           "StopAgreement.close": "end"}
 
 
 def documented() -> list[str]:
@@ -48,8 +47,10 @@ def _name(frame) -> str:
     while f is not None:
         names.append(f.f_code.co_qualname)
         f = f.f_back
-    if "Checkpoint.after_window" in names:
+    if "save_checkpoint" in names:
         return "checkpoint"
+    if "finish" in names and "evaluate" not in names:  # the last rows, the stop's end
+        return "end"
     for q in names:
         if q in NAMES:
             return NAMES[q]

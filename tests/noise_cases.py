@@ -23,7 +23,7 @@ from gradsync.train.loop import run_window
 from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import build_normalizer
 from gradsync.train.precision import Precision, overflow_handling
-from gradsync.train.schedules import Window
+from gradsync.train.windows import Window
 
 
 def per_sample_grads(params: dict[str, torch.Tensor], data: dict) -> torch.Tensor:
@@ -113,11 +113,10 @@ def one_window_samples(policy_name: str, micro_sizes: list[list[int]], wire: dic
     mine = data[rank]
     real = [micro_sizes[r] for r in range(world)]
     local = width * len(mine)
-    window = Window(0, len(mine), local, sum(real[rank]), sum(map(sum, real)))
+    window = Window(0, len(mine), local, sum(real[rank]), sum(map(sum, real)), batches=iter(mine))
     prec = Precision(precision, "cpu", init_scale=init_scale, **overflow_handling(built))
     norm = build_normalizer("samples", "samples", world, torch.device("cpu"), 1.0)
-    run_window(TorchDDP(ddp), iter(mine), window, built, prec, mse_per_sample,
-               torch.device("cpu"), norm, meter)
+    run_window(TorchDDP(ddp), window, built, mse_per_sample, norm, prec, meter)
     meter.end_window(1, window, norm, prec, ddp.parameters())
     return {"stats": _window_stats(meter), "data": data, "real": real,
             "params": {k: v.detach().clone() for k, v in tiny_model().state_dict().items()}}
@@ -135,9 +134,8 @@ def one_window_tokens(policy_name: str) -> dict:
     samples = sum(len(x) for x, _ in mine)
     norm = build_normalizer("tokens", "tokens", world, torch.device("cpu"), 20.0)
     prec = Precision("fp32", "cpu")
-    window = Window(0, len(mine), samples, samples, samples * world)
-    run_window(TorchDDP(ddp), iter(mine), window, built, prec, token_loss_per_sample,
-               torch.device("cpu"), norm, meter)
+    window = Window(0, len(mine), samples, samples, samples * world, batches=iter(mine))
+    run_window(TorchDDP(ddp), window, built, token_loss_per_sample, norm, prec, meter)
     meter.end_window(1, window, norm, prec, ddp.parameters())
     return _window_stats(meter)
 

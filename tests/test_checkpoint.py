@@ -24,8 +24,8 @@ from gradsync.data.loader import epoch_batches, train_loader
 from gradsync.run.faults import StopAgreement, StopFlag
 from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
-from gradsync.train.callbacks import require_finite_parameters
 from gradsync.train.checkpoint import ResumeError, resolve_resume
+from gradsync.train.checks import require_finite_parameters
 from gradsync.train.metrics import keep_rows_through
 from gradsync.train.repro import config_hash, git_state, write_run_info
 from gradsync.train.state import rng_state, set_rng_state
@@ -137,9 +137,10 @@ def test_atomic_writes_past_a_file_size_limit_raise_and_leave_no_temporary_file(
     code = """if True:
         import errno, sys, torch
         from pathlib import Path
+        from gradsync.core import files
         from gradsync.train import checkpoint, metrics
         d = Path(sys.argv[1])
-        for write in (lambda: metrics.write_json_atomic(d / "s.json", list(range(500))),
+        for write in (lambda: files.write_json_atomic(d / "s.json", list(range(500))),
                       lambda: metrics.keep_rows_through(d / "m.jsonl", 80),
                       lambda: checkpoint.save_atomic({"w": torch.zeros(10**5)}, d / "c.pt")):
             try:

@@ -18,7 +18,7 @@ from gradsync.core.devices import WrongDevice, on_device
 from gradsync.sync import layer_sync
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.local_sgd import diloco, local_sgd
-from gradsync.train import callbacks
+from gradsync.train import checks, steplog
 from gradsync.train.state import to_cpu
 
 CUDA = torch.device("cuda", 0)
@@ -60,10 +60,10 @@ def test_local_sgd_drift_is_reduced_on_the_models_device(monkeypatch):
     on nccl, a crash at the first log step after an averaging. The drifts now ride on the
     losses' all-reduce, in a block built on the model's device."""
     seen: list[torch.device] = []
-    monkeypatch.setattr(callbacks.dist, "all_reduce", nccl_like(seen))
-    monkeypatch.setattr(callbacks.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(steplog.dist, "all_reduce", nccl_like(seen))
+    monkeypatch.setattr(steplog.dist, "get_rank", lambda group=None: 1)
     p = SimpleNamespace(device=CUDA, world_size=2, noise=None)
-    steps = callbacks.StepLog.__new__(callbacks.StepLog)
+    steps = steplog.StepLog.__new__(steplog.StepLog)
     steps.p, steps.rows = p, [{"window": 4, "replica_drift": 0.25}, {"window": 5}]
     with FakeTensorMode(allow_non_fake_inputs=True):
         steps.losses = [torch.zeros((), device=CUDA), torch.zeros((), device=CUDA)]
@@ -77,12 +77,12 @@ def test_check_replicas_gathers_on_the_models_device(monkeypatch):
     """Fault 2: trainer.check_replicas moved the checksums to the CPU, then all-gathered them
     on the default group."""
     seen: list[torch.device] = []
-    monkeypatch.setattr(callbacks.dist, "all_gather", nccl_like(seen))
-    monkeypatch.setattr(callbacks.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(checks.dist, "all_gather", nccl_like(seen))
+    monkeypatch.setattr(checks.dist, "get_world_size", lambda group=None: 2)
     model = torch.nn.Linear(3, 2, device="meta")
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(Handed):
         on_fake_cuda(model)
-        callbacks.check_replicas(model, step=4)
+        checks.check_replicas(model, step=4)
     assert seen == [CUDA] * 3  # the two ranks' slots and this rank's checksums
 
 
@@ -238,11 +238,11 @@ def test_the_finite_check_before_a_checkpoint_reads_the_device_once():
     """Fault 9: one read per parameter tensor at each checkpoint (fp32's finiteness check)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # 4 tensors
     with HostReads() as seen:
-        callbacks.require_finite_parameters(model, step=3)
+        checks.require_finite_parameters(model, step=3)
     assert len(seen.reads) == 1, seen.reads  # the verdict, read once (not once per tensor)
     model[0].bias.data[1] = float("nan")
     with pytest.raises(FloatingPointError, match="after optimizer step 3"):
-        callbacks.require_finite_parameters(model, step=3)
+        checks.require_finite_parameters(model, step=3)
 
 
 def test_an_averaging_round_reads_the_device_once(single_process_group):
@@ -322,7 +322,7 @@ def test_no_sync_scalars_reach_tensorboard_when_the_trace_has_no_times():
         def steps(self, rows):
             raise Stop  # what follows (the log point's own scalars) is not this test's
 
-    steps = callbacks.StepLog.__new__(callbacks.StepLog)
+    steps = steplog.StepLog.__new__(steplog.StepLog)
     steps.p, steps.log = SimpleNamespace(noise=None, world_size=1), Log()
     steps.mark_t, steps.mark_samples = 0.0, 0
     steps.rows = [{"window": 1, "sync_wait_ms": None, "sync_overlap": None},

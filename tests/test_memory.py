@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.train.memory import MemoryMeter, storage_bytes
+from gradsync.core.memory import MemoryMeter, storage_bytes
 
 
 def test_storages_count_once_each_and_views_add_nothing():

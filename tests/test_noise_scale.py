@@ -21,7 +21,8 @@ from gradsync.run.preflight import preflight
 from gradsync.train import checkpoint
 from gradsync.train.lr_scaling import ScaledLR, adascale_gain
 from gradsync.train.noise_scale import NoiseScale
-from gradsync.train.schedules import AdaptiveSchedule, Window
+from gradsync.train.schedules import AdaptiveSchedule
+from gradsync.train.windows import Window
 
 pytestmark = [pytest.mark.dist]
 

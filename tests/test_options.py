@@ -57,6 +57,7 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "trainer.log_every"): [0, -1],
     ("", "trainer.eval_every"): [-1],
     ("", "trainer.backend"): ["mpi", ""],
+    ("", "trainer.bits"): ["exact", ""],
     ("", "engine.name"): ["ddp", ""],
     ("", "trainer.threads_per_worker"): [-1, 10**9],
     ("", "trainer.progress_bar"): "true or false: both are choices",

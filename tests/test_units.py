@@ -14,13 +14,8 @@ from gradsync.data.contract import cross_entropy_per_sample, mse_per_sample
 from gradsync.data.loader import train_loader
 from gradsync.sync.policies import AccumulateSync, AlwaysSync
 from gradsync.train.lr_schedulers import WarmupCosine, warmup_cosine
-from gradsync.train.schedules import (
-    EpochwiseSchedule,
-    Shard,
-    Window,
-    build_schedule,
-    total_optimizer_steps,
-)
+from gradsync.train.schedules import EpochwiseSchedule, build_schedule, total_optimizer_steps
+from gradsync.train.windows import Shard, Window
 from windows import plan_epoch
 
 
@@ -134,7 +129,7 @@ def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
 
 
 def test_cpu_peak_memory_is_the_resident_peak_since_training_started():
-    from gradsync.train.memory import MemoryMeter, resident_peak_bytes
+    from gradsync.core.memory import MemoryMeter, resident_peak_bytes
 
     big = torch.ones(96 * 2**20 // 4)  # 96 MiB, touched: resident
     del big

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradsync.train.schedules import Shard, Window, cut_window, micro_batches
+from gradsync.train.windows import Shard, Window, cut_window, micro_batches
 
 
 def plan_epoch(shard: Shard, micro_batch_size: int, accum_steps: int) -> list[Window]:

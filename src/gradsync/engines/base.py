@@ -36,10 +36,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from gradsync.core.memory import MemoryMeter
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import SyncTrace
 from gradsync.sync.comm import CommCounts
-from gradsync.train.memory import MemoryMeter
 
 
 @dataclass(frozen=True)

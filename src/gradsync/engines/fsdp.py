@@ -27,7 +27,7 @@ Counted exactly, per group: every reduce-scatter and all-gather FSDP issues (its
 wrapped: ``set_custom_reduce_scatter`` / ``set_custom_all_gather``, bytes of the whole padded
 tensor) and every all-reduce across replicas (``set_all_reduce_hook``); a collective over a
 group of one rank moves nothing and is not counted. The gradient bytes each rank holds after
-every backward are counted from FSDP's own tensors (train/memory.py).
+every backward are counted from FSDP's own tensors (core/memory.py).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import RESERVED, ConfigError, locate, parameters, require
+from gradsync.core.memory import MemoryMeter, local, storage_bytes
 from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0
 from gradsync.engines.compiled import Compile
@@ -55,7 +56,6 @@ from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import PLAIN, CommCounts, ShardedSync, Wire
 from gradsync.sync.policy import SyncPolicy
 from gradsync.torch_compat import fsdp_param_groups, fsdp_reduces_unused
-from gradsync.train.memory import MemoryMeter, local, storage_bytes
 
 log = logging.getLogger("gradsync.engines.fsdp")  # a child of the ranks' log (run/worker.py)
 AUTO_UNITS = "auto"

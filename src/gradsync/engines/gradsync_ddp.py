@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.core.memory import MemoryMeter, storage_bytes
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
@@ -63,7 +64,6 @@ from gradsync.sync.comm import (
     decides_per_bucket,
     to_device,
 )
-from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
 @dataclass(eq=False)
@@ -128,7 +128,7 @@ class GradsyncDDP:
         self.module = model
         self.compiled: Compile | None = None  # compile.enabled (build_gradsync_ddp)
         self.forward: Any = model  # what a micro-batch runs (compiled or not)
-        # the gradient bytes held after each backward (train/memory.py)
+        # the gradient bytes held after each backward (core/memory.py)
         self.memory = memory if memory is not None else MemoryMeter(
             next(model.parameters()).device)
         self.wire = wire

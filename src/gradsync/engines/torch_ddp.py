@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradsync.core.memory import MemoryMeter, storage_bytes
 from gradsync.engines.allreduce import grads_to_none, policy_allreduce
 from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
@@ -29,7 +30,6 @@ from gradsync.engines.unused import GradientWitness, unused_error
 from gradsync.sync.averaging import Averager, whole_model
 from gradsync.sync.comm import CommCounts, Probe, Wire, counting_hook
 from gradsync.torch_compat import ddp_buffer_sync
-from gradsync.train.memory import MemoryMeter, storage_bytes
 
 
 class TorchDDP:

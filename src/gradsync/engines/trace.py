@@ -292,7 +292,7 @@ def _union(intervals: list[tuple[int, int]], cut: int) -> tuple[int, int]:
 def merge(run_dir: Path) -> Path | None:
     """trace/rank*.jsonl -> trace.json (Chrome's JSON trace format, times in microseconds from
     the first event); a torn last line is left out. None when there is nothing to merge."""
-    from gradsync.train.metrics import write_json_atomic
+    from gradsync.core.files import write_json_atomic
 
     files = sorted((run_dir / TRACE_DIR).glob("rank*.jsonl"))
     events: list[dict[str, Any]] = []

@@ -161,15 +161,3 @@ def read_report(conn: Any) -> tuple[int, str] | None:
         return int(when), message
     except (EOFError, OSError, ValueError):
         return None
-
-
-def inject_failure(step: int, here: bool) -> Any:
-    """trainer.fail_at_step, a test aid: a hook (see loop.Parts.after_window) that raises on
-    this rank (here: the last rank) after optimizer step ``step``."""
-
-    def hook(p: Any, state: Any, stepped: bool) -> None:
-        if here and stepped and state.step == step:
-            raise RuntimeError(f"injected failure after optimizer step {step} "
-                               "(trainer.fail_at_step, a test aid)")
-
-    return hook

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from gradsync.core import numerics
 from gradsync.core.devices import device_name
+from gradsync.core.files import write_json_atomic
+from gradsync.core.memory import peak_memory_mb, peak_rss_mb
 from gradsync.run import slurm
 from gradsync.train.loop import Parts, Progress
-from gradsync.train.metrics import peak_memory_mb, peak_rss_mb, write_json_atomic
 
 SUMMARY = "summary.json"
 
@@ -146,7 +147,7 @@ def sharded_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def memory_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rank: the gradient bytes held after a backward (whole and sharded, maxima over the
-    run) and the peak memory during training, with what measured it (train/memory.py)."""
+    run) and the peak memory during training, with what measured it (core/memory.py)."""
     keys = ("grad_unsharded_bytes", "grad_sharded_bytes", "grad_held_bytes", "peak_mb")
     return {"memory": {k: [r[k] for r in per_rank] for k in keys}
             | {"peak_measure": per_rank[0]["peak_measure"]}}

@@ -42,8 +42,9 @@ from typing import Any
 import yaml
 
 from gradsync.core import numerics
+from gradsync.core.files import write_json_atomic
 from gradsync.run.rundir import let_go, take
-from gradsync.train.metrics import final_metrics, write_json_atomic
+from gradsync.train.metrics import final_metrics
 
 # The axes a loss is read against: a Point's attribute, the label on the plot.
 AXES = {"samples": "samples seen", "bytes": "all-reduce bytes (rank 0, log)",

@@ -20,6 +20,7 @@ from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.core import numerics
 from gradsync.core.devices import check_own_gpu, cpu_threads, usable_cpus
+from gradsync.core.memory import MemoryMeter
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import seed_everything, seed_rank
 from gradsync.data.contract import FirstBatchChecked, build_data
@@ -32,7 +33,6 @@ from gradsync.run import summary as run_summary
 from gradsync.run.faults import (
     PROCESS_FLAG,
     StopAgreement,
-    inject_failure,
     report_failure,
     signal_name,
 )
@@ -44,7 +44,6 @@ from gradsync.train import checkpoint, lr_scaling, sharded_checkpoint
 from gradsync.train import noise_scale as noise
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress, train
-from gradsync.train.memory import MemoryMeter
 from gradsync.train.metrics import RunLog
 from gradsync.train.normalize import build_normalizer, resolve, shared_steps
 from gradsync.train.precision import build_precision
@@ -177,8 +176,6 @@ def run_training(cfg: RunConfig, run_dir: Path,
     p.stop = StopAgreement(PROCESS_FLAG, control, world_size)
     if p.engine.trace:  # the job process merges the ranks' files into trace.json
         p.engine.trace.open(run_dir / TRACE_DIR / f"rank{rank}.jsonl")
-    if tr.fail_at_step >= 1:
-        p.after_window.append(inject_failure(tr.fail_at_step, rank == world_size - 1))
     try:
         resumed_from = agreed_resume(cfg.resume, world_size, control)
         state, differ = Progress(), []

@@ -38,8 +38,8 @@ class Averager:
     parameters (sync.groups with `every`) or the whole model (local SGD, DiLoCo) consistent by
     averaging them after windows. Between averagings each rank trains a replica of its own
     (checkpoints keep every rank's, train/state.py). A policy without one (None) has replicas
-    that every step's gradient all-reduce keeps equal. One loop callback calls it
-    (train/callbacks.py ``Averaging``); the engine asks ``whole_model`` and hands it the
+    that every step's gradient all-reduce keeps equal. The loop calls it
+    (train/loop.py ``average``); the engine asks ``whole_model`` and hands it the
     shared-memory slots."""
 
     # True: the averager keeps the whole model consistent (no gradient all-reduce needed: a

@@ -1,5 +1,3 @@
 """The training loop and what it asks: schedules, loss normalisation, precision, LR schedulers,
 the training state and its checkpoints, what a run records.
-
-``python -m gradsync.train`` runs the entry point (``gradsync-train``; run/main.py).
 """

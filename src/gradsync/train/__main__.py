@@ -1,5 +1,8 @@
-"""``python -m gradsync.train`` (as torchrun and srun call it): the gradsync-train entry point."""
+"""``python -m gradsync.train``, the entry point's old module name: one line naming the new one
+(``python -m gradsync``, as torchrun and srun call it), exit code 2."""
 
-from gradsync.run.main import main
+import sys
 
-main()
+print("gradsync: `python -m gradsync.train` is now `python -m gradsync` (torchrun ... -m gradsync "
+      "...; or gradsync-train)", file=sys.stderr)
+sys.exit(2)

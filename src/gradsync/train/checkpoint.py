@@ -22,9 +22,8 @@ from typing import IO, Any, cast
 
 import torch
 
+from gradsync.core.files import replacing, write_json_atomic
 from gradsync.train import dcp_safe
-from gradsync.train.files import replacing
-from gradsync.train.metrics import write_json_atomic
 from gradsync.train.repro import config_hash
 
 CKPT_DIR = "checkpoints"

@@ -6,7 +6,7 @@ window holds over all ranks, over the world size, and DDP averages over ranks, s
 applies the gradient of the mean loss over every real sample of the window on every rank, a
 short last window included. The samples the sampler repeats to give every rank the same number
 of micro-batches (data not a multiple of the world size) still run forward and backward (DDP's
-collectives must match) but are left out of the loss (schedules.Shard says which they are).
+collectives must match) but are left out of the loss (windows.Shard says which they are).
 Token-normalised losses, whose count is only known at the window's end, are rescaled once
 before the step (normalize.py).
 
@@ -16,14 +16,15 @@ the step of a window whose gradients hold inf/nan: such a window advances ``wind
 ``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every`` count only
 real updates (Lightning #5558 stepped the scheduler anyway).
 
-Windows are cut one at a time from where the epoch stands (schedules.cut_window), so the window
-size may change inside an epoch (schedule=adaptive, following the noise scale measured by
+Windows are cut one at a time from where the epoch stands (windows.py), so the window size may
+change inside an epoch (schedule=adaptive, following the noise scale measured by
 train/noise_scale.py); with a fixed schedule they are the epoch's plan, window for window.
 
-One step, as ``train()`` runs it: cut a window, run its micro-batches (``run_window``: the
-policy's ``should_sync`` for each), step (``optimizer_step``), then hand the window to the
-run's callbacks (train/callbacks.py), each owning one feature. Every rank runs the same
-collectives in the same order; those of one step, in order (tests/test_loop.py holds it):
+``train()`` is gradsync's own loop, written with the pieces an own loop uses too
+(docs/own-loop.md): the windows of a loader, each micro-batch under the policy's decision
+(run_window), the optimizer step; then each feature, called by name where it runs. Every
+rank runs the same collectives in the same order; those of one step,
+in order (tests/test_loop.py holds it):
 
 1. ``token_count``: loss.normalize=tokens, the window's token count (async, launched before the
    last backward, waited for before the step); inside the window, with the gradient
@@ -49,27 +50,30 @@ collectives in the same order; those of one step, in order (tests/test_loop.py h
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.config.schema import TrainerConfig
-from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
-from gradsync.sync.averaging import whole_model
+from gradsync.sync.averaging import Averager
 from gradsync.sync.comm import CommCounts
-from gradsync.sync.policy import SyncPolicy, last_micro_batch
-from gradsync.train.callbacks import Done, callbacks
+from gradsync.sync.policy import SyncPolicy
+from gradsync.train.checks import check_replicas, require_finite_parameters
 from gradsync.train.lr_scaling import ScaledLR
 from gradsync.train.metrics import RunLog
 from gradsync.train.noise_scale import NoiseScale
 from gradsync.train.normalize import Normalizer
 from gradsync.train.precision import Precision
-from gradsync.train.schedules import Schedule, Shard, Window, cut_window, micro_batches
+from gradsync.train.schedules import Schedule
+from gradsync.train.steplog import StepLog, spent
+from gradsync.train.windows import Window, windows
 
 
 class Stop(Protocol):
@@ -110,7 +114,6 @@ class Parts:
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: Stop | None = None  # None: signals are not watched
-    after_window: list[Callable[[Parts, Progress, bool], None]] = field(default_factory=list)
 
     @property
     def counts(self) -> CommCounts:
@@ -143,108 +146,126 @@ class Progress:
     def skipped_steps(self) -> int:
         return self.windows - self.step
 
-    def advance(self, window: Window, stepped: bool, epoch_end: int) -> bool:
-        """Count one window run (stepped: its optimizer step was taken); True when it ended
-        the epoch (epoch_end: the epoch's micro-batches)."""
+    def advance(self, window: Window, stepped: bool) -> None:
+        """Count one window run (stepped: its optimizer step was taken)."""
         self.windows += 1
         self.step += stepped
         self.samples_seen += window.global_real
-        end = window.stop == epoch_end
-        self.epoch += end  # counts completed epochs
-        self.epoch_step = 0 if end else self.epoch_step + 1
-        self.epoch_micro = 0 if end else window.stop
-        return end
+        self.epoch += window.ends_epoch  # counts completed epochs
+        self.epoch_step = 0 if window.ends_epoch else self.epoch_step + 1
+        self.epoch_micro = 0 if window.ends_epoch else window.stop
 
-    def done(self, tr: TrainerConfig) -> bool:
+    def finished(self, tr: TrainerConfig) -> bool:
+        """max_epochs or max_steps reached."""
         return self.epoch >= tr.max_epochs or (tr.max_steps >= 0 and self.step >= tr.max_steps)
 
 
-class UnsyncedWindow(RuntimeError):
-    """A window reached its optimizer step without a synchronising backward: every rank would
-    step on its own gradients and the replicas would drift apart silently."""
+def due(step: int, every: int) -> bool:
+    """A cadence in optimizer steps (every 0: never)."""
+    return every > 0 and step % every == 0
 
 
-def unsynced(policy: str, window: Window, last_synced: int) -> str:
-    """What went wrong in a window whose last micro-batch ran inside no_sync()."""
-    first_local = window.start + last_synced + 1  # the first micro-batch kept local since
-    what = ("no micro-batch of the window synchronised: no gradient was all-reduced"
-            if last_synced < 0 else
-            f"micro-batch {first_local - 1} synchronised, but "
-            + ("the last" if first_local == window.stop - 1 else
-               f"micro-batches {first_local}-{window.stop - 1} (the last included)")
-            + " did not: the gradients accumulated after it were never all-reduced")
-    return (f"sync policy {policy!r} ends a window of {window.size} micro-batches "
-            f"(micro-batches {window.start}-{window.stop - 1} of the epoch) inside no_sync(): "
-            f"{what}, so every rank would step on gradients of its own and the replicas drift "
-            "apart (docs/debugging.md). The last micro-batch of a window must synchronise (the "
-            "all-reduce of the accumulated gradients is what keeps the replicas equal), or the "
-            "policy's averager must keep the whole model consistent itself (whole_model = "
-            "True: it averages the parameters)")
+def train(p: Parts, state: Progress, log: RunLog) -> Progress:
+    """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
+    next window, skipping the samples already used) until finished or until the ranks agree to
+    stop. The collectives of one step run in the order of the module's docstring."""
+    tr, model = p.trainer, p.engine.module
+    averager = p.policy.averager or Averager()  # the base: averages nothing
+    rows = StepLog(p, log, state)
+    averager.start(model, state.windows)
+    stop = 0
+    while not (state.finished(tr) or stop):
+        epoch = state.epoch
+        for window in windows(p.loader, epoch, partial(p.schedule.accum_steps, epoch),
+                              state.epoch_micro, p.device):
+            t0 = time.perf_counter()
+            loss = run_window(p.engine, window, p.policy, p.loss, p.normalizer,  # 1, 2
+                              p.precision, p.noise)
+            lr_factor = before_step(p, state, window)  # the noise scale's norms, LR scaling
+            lr = p.optimizer.param_groups[0]["lr"]
+            log_now = (state.windows + 1) % tr.log_every == 0
+            stepped, norm = optimizer_step(  # 3
+                p.engine, p.optimizer, p.policy, p.normalizer, precision=p.precision,
+                clip_grad_norm=tr.clip_grad_norm, lr_scheduler=p.lr_scheduler,
+                want_norm=log_now)
+            state.train_s += time.perf_counter() - t0
+            state.advance(window, stepped)
+            finished = state.finished(tr)
+            if stepped:
+                p.schedule.after_step(state.step, p.noise)  # 4
+            drift = average(averager, model, state.windows, finished)  # 5
+            rows.add(state, window, epoch, lr, stepped, loss, lr_factor, drift)
+            if log_now:
+                rows.flush(state, norm)  # 6
+            fail_if_asked(tr, state.step, stepped, p.world_size)
+            if stepped and due(state.step, p.replica_check_every) and averager.in_sync():
+                check_replicas(model, state.step)  # 7
+            if stepped and due(state.step, tr.eval_every):
+                evaluate(p, state, log)  # 8
+            stop = p.stop.poll() if p.stop is not None else 0  # 9
+            if stop or finished or (stepped and due(state.step, tr.checkpoint_every)):
+                save_checkpoint(p, state, rows)  # 10
+            if stop or finished:
+                break
+    return finish(p, state, rows, log, stop)
 
 
-def run_window(engine: Engine, batches: Iterator, window: Window,
-               policy: SyncPolicy, precision: Precision, loss: Callable,
-               device: torch.device, norm: Normalizer,
+def run_window(engine: Engine, window: Window, policy: SyncPolicy, loss: Callable[..., Any],
+               normalizer: Normalizer, precision: Precision | None = None,
                meter: NoiseScale | None = None) -> torch.Tensor:
-    """Forward+backward every micro-batch of one window; returns this rank's share of the
-    window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
-    in full). After each backward the precision may find the window doomed (an overflow on some
-    rank; every rank agrees): its remaining micro-batches are then drawn from the data stream
-    without compute, so the data order never depends on overflows. Only the window's first
-    ``window.real`` samples count: the rest are the sampler's repeats, which still run forward
-    and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
-    loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
-    unless the policy's averager keeps the whole model consistent (whole_model). `meter`: the
-    noise scale's, told each micro-batch's real units before its backward."""
-    total = torch.zeros((), device=device)
+    """Forward+backward every micro-batch of one window, each under the policy's decision;
+    returns this rank's share of the window's loss (NaN for a window aborted by overflow
+    consensus: its loss was never computed in full). `loss(outputs, targets)` gives the
+    micro-batch's per-sample loss sums and unit counts (the data contract, data/contract.py).
+    After each backward the precision may find the window doomed (an overflow on some rank;
+    every rank agrees): its remaining micro-batches are then drawn from the data stream without
+    compute, so the data order never depends on overflows. The sampler's repeats still run
+    forward and backward (a micro-batch of repeats only, too: DDP's collectives must match)
+    with no loss. The noise scale's `meter` is told each micro-batch's real units before its
+    backward."""
+    precision = precision or Precision("fp32", "cpu")  # fp32: no autocast, no scaler
+    total = torch.zeros((), device=window.device)
     if meter is not None:
         meter.start_window()
-    size, real_left = window.size, window.real
-    should_sync, doomed_after = policy.should_sync, precision.window_doomed
-    averaged = whole_model(policy.averager)
     doomed = False
-    last_synced = -1  # the window's last micro-batch so far that synchronised
-    for i in range(size):
-        x, y = next(batches)
-        keep = min(real_left, len(y))
-        real_left -= keep
+    for micro in window:
         if doomed:
             continue
-        if keep < len(y):
-            y = y[:keep]
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        sync = should_sync(i, size)
-        if sync:
-            last_synced = i
-        elif last_micro_batch(i, size) and not averaged:
-            raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
-        with engine.micro_batch(sync):
+        with engine.micro_batch(window.should_sync(policy, micro)):
             with precision.autocast():
-                out = engine(x)
-                sums, counts = loss(out if keep == len(out) else out[:keep], y)
-                micro = norm.micro_loss(window, i, sums, counts)
+                sums, counts = loss(micro.real(engine(micro.x)), micro.y)
+                micro_loss = normalizer.micro_loss(window, micro.index, sums, counts)
             if meter is not None:
-                meter.before_backward(i, keep, counts, engine.parameters())
-            precision.backward(micro)
-        total += micro.detach()
-        doomed = doomed_after(engine.module, i, size)
+                meter.before_backward(micro.index, len(micro.y), counts, engine.parameters())
+            precision.backward(micro_loss)
+        total += micro_loss.detach()
+        doomed = precision.window_doomed(engine.module, micro.index, window.size)
     if doomed:
-        return torch.full((), float("nan"), device=device)
-    return norm.window_loss(total)
+        return torch.full((), float("nan"), device=window.device)
+    return normalizer.window_loss(total)
 
 
-def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None]:
-    """Unscale, clip, step, update the scale, zero: once per window. Returns (stepped, norm);
-    the norm stays a tensor (on a GPU: no wait for it) until a logging step reads it."""
-    p.precision.unscale(p.optimizer)  # the scaler's flags agreed over ranks where needed
-    p.normalizer.before_step(p.engine.parameters())
+def optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer, policy: SyncPolicy,
+                   normalizer: Normalizer, *, precision: Precision | None = None,
+                   clip_grad_norm: float = 0.0, lr_scheduler: Any = None,
+                   want_norm: bool = False) -> tuple[bool, torch.Tensor | None]:
+    """The window's optimizer step, once per window: unscale (fp16), the loss normaliser's
+    rescale, clip, step, the policy's roles told, gradients zeroed, the LR scheduler stepped
+    when the step was taken. Returns (stepped, the gradient norm when clipped or
+    `want_norm`); the norm stays a tensor (on a GPU: no wait for it) until it is read."""
+    if precision is not None:
+        precision.unscale(optimizer)  # the scaler's flags agreed over ranks where needed
+    normalizer.before_step(engine.parameters())
     norm = None
-    if p.trainer.clip_grad_norm > 0:
-        norm = clip_grad_norm_(p.engine.parameters(), p.trainer.clip_grad_norm)
+    if clip_grad_norm > 0:
+        norm = clip_grad_norm_(engine.parameters(), clip_grad_norm)
     elif want_norm:
-        norm = get_total_norm([q.grad for q in p.engine.parameters() if q.grad is not None])
-    stepped = p.precision.step(p.optimizer)
-    policy = p.policy
+        norm = get_total_norm([q.grad for q in engine.parameters() if q.grad is not None])
+    if precision is not None:
+        stepped = precision.step(optimizer)
+    else:
+        optimizer.step()
+        stepped = True
     if policy.wire is not None:
         policy.wire.after_step(stepped)
     if policy.averager is not None:
@@ -253,45 +274,67 @@ def optimizer_step(p: Parts, want_norm: bool) -> tuple[bool, torch.Tensor | None
         # window counts as a step everywhere (counters, LR schedule, cadences stay the same on
         # every rank)
         stepped = stepped or policy.averager.whole_model
-    p.engine.zero_grad(p.optimizer)
-    if stepped:
-        p.lr_scheduler.step()
+    engine.zero_grad(optimizer)
+    if stepped and lr_scheduler is not None:
+        lr_scheduler.step()
     return stepped, norm
 
 
-def train(p: Parts, state: Progress, log: RunLog) -> Progress:
-    """Train from `state` (fresh, or restored from a checkpoint: a resumed epoch starts at its
-    next window, skipping the samples already used) until done or until the ranks agree to
-    stop (p.stop.agreed). The collectives of one step run in the order of the module's
-    docstring."""
-    tr, cbs = p.trainer, callbacks(p, log, state)
-    done: Done | None = None
-    if p.policy.averager is not None:
-        p.policy.averager.start(p.engine.module, state.windows)
-    while not state.done(tr) and not (done and done.stop):
-        epoch, sampler = state.epoch, p.sampler
-        shard = Shard(len(sampler.dataset), sampler.rank, sampler.num_replicas)  # type: ignore
-        epoch_end = micro_batches(shard, p.micro_batch_size)
-        batches = epoch_batches(p.loader, epoch, state.epoch_micro * p.micro_batch_size)
-        end_of_epoch = False
-        while not end_of_epoch:
-            window = cut_window(shard, p.micro_batch_size, state.epoch_micro,
-                                p.schedule.accum_steps(epoch))
-            t0 = time.perf_counter()
-            loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
-                              p.device, p.normalizer, p.noise)
-            done = Done(window, epoch, loss, 0.0, (state.windows + 1) % tr.log_every == 0)
-            for cb in cbs.before_step:  # the noise scale's window, LR scaling
-                cb.before_step(p, state, done)
-            done.lr = p.optimizer.param_groups[0]["lr"]
-            done.stepped, done.norm = optimizer_step(p, want_norm=done.log_now)
-            state.train_s += time.perf_counter() - t0
-            end_of_epoch = state.advance(window, done.stepped, epoch_end)
-            done.finished = state.done(tr)
-            for cb in cbs.after_window:  # averaging, logging, checks, evaluation, stop, ckpt
-                cb.after_window(p, state, done)
-            if done.stop or done.finished:
-                break
-    for cb in cbs.end:  # the last rows, the stop's collective in flight, the final evaluation
-        cb.end(p, state, done)
+def before_step(p: Parts, state: Progress, window: Window) -> float | None:
+    """Between the window's last backward and its step: the noise scale's norms of the window
+    (noise_scale.enabled), and LR scaling's factor for its size (lr_scaling: returned)."""
+    if p.noise is not None:
+        p.noise.end_window(state.windows + 1, window, p.normalizer,  # type: ignore[arg-type]
+                           p.precision, p.engine.parameters())
+    if isinstance(p.lr_scheduler, ScaledLR):
+        return p.lr_scheduler.before_step(window, p.noise)
+    return None
+
+
+def average(averager: Averager, model: torch.nn.Module, windows_done: int,
+            finished: bool) -> float | None:
+    """The policy's averager after a window (local SGD's and DiLoCo's averaging, sync.groups
+    with `every`), and its last averaging when the run finishes; the replicas' drift when it
+    averaged."""
+    averager.after_window(model, windows_done)
+    if finished:
+        averager.finish(model)  # e.g. local SGD ends with an averaging
+    return averager.drift
+
+
+def fail_if_asked(tr: TrainerConfig, step: int, stepped: bool, world_size: int) -> None:
+    """trainer.fail_at_step, a test aid: the last rank raises after that optimizer step."""
+    last_rank = (dist.get_rank() if world_size > 1 else 0) == world_size - 1
+    if stepped and step == tr.fail_at_step and last_rank:
+        raise RuntimeError(f"injected failure after optimizer step {step} "
+                           "(trainer.fail_at_step, a test aid)")
+
+
+def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
+    p.engine.align_buffers()  # each rank scores its shard with the buffers that are saved
+    state.last_eval = p.evaluate()
+    log.scalars(state.windows, {f"eval/{k}": v for k, v in state.last_eval.items()})
+    log.evals({"window": state.windows, "step": state.step, "samples": state.samples_seen,
+               **spent(p, state), **state.last_eval})
+
+
+def save_checkpoint(p: Parts, state: Progress, rows: StepLog) -> None:
+    """Every row up to the step written first, the parameters checked finite (fp32), the
+    buffers aligned, then the worker's checkpoint (collective)."""
+    rows.flush(state, None)  # a checkpoint covers every row up to its step
+    if p.check_finite:
+        require_finite_parameters(p.engine.module, state.step)
+    p.engine.align_buffers()  # the saved buffers are the ones every rank holds
+    p.checkpoint(p, state)
+
+
+def finish(p: Parts, state: Progress, rows: StepLog, log: RunLog, stop: int) -> Progress:
+    """When training ends: the last rows, the stop agreement's collective in flight closed, the
+    final evaluation (unless the last step was just evaluated, or the run stopped on a
+    signal)."""
+    rows.flush(state, None)
+    if p.stop is not None:
+        p.stop.close()
+    if not stop and not (state.step and due(state.step, p.trainer.eval_every)):
+        evaluate(p, state, log)
     return state

@@ -32,7 +32,7 @@ import torch
 if TYPE_CHECKING:
     from gradsync.config.schema import LRScalingConfig
     from gradsync.train.noise_scale import NoiseScale
-    from gradsync.train.schedules import Window
+    from gradsync.train.windows import Window
 
 
 def adascale_gain(scale: float, b_simple: float, batch_units: float) -> float:

@@ -5,31 +5,10 @@ end. Other ranks get a RunLog that writes nothing, so the loop never asks which 
 from __future__ import annotations
 
 import json
-import resource
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from gradsync.train.files import replacing
-
-
-def peak_memory_mb(device: torch.device) -> float | None:
-    """The peak of memory torch allocated on this rank's GPU (None on the CPU). Read from the
-    caching allocator's counters: no device sync."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    with replacing(path) as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+from gradsync.core.files import replacing
 
 
 def keep_rows_through(path: Path, window: int) -> None:

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from gradsync.config.schema import RunConfig
     from gradsync.sync.policy import SyncPolicy
     from gradsync.train.precision import Precision
-    from gradsync.train.schedules import Window
+    from gradsync.train.windows import Window
 
 ROW = 4  # per window and rank: |g_r|^2, 1/b_r, the big batch's units on this rank, measured
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.sync.policy import last_micro_batch
-from gradsync.train.schedules import Window
+from gradsync.train.windows import Window
 
 
 class Normalizer(Protocol):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradsync.train.metrics import write_json_atomic
+from gradsync.core.files import write_json_atomic
 
 
 def prepare_cuda_determinism(setting: bool | None) -> None:

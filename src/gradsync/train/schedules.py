@@ -1,12 +1,11 @@
-"""Accumulation schedules (how many micro-batches make the next optimizer step: per epoch, or
-following the measured noise scale) and the windows of an epoch, cut one at a time from where
-the epoch stands, including the short windows at its end."""
+"""Accumulation schedules: how many micro-batches make the next window (per epoch, or
+following the measured noise scale), and how many optimizer steps a run takes (the windows
+themselves are cut by train/windows.py)."""
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gradsync.config.schema import (
@@ -15,6 +14,7 @@ from gradsync.config.schema import (
     EpochwiseScheduleConfig,
     ScheduleConfig,
 )
+from gradsync.train.windows import Shard, micro_batches
 
 
 class MeasuredNoise(Protocol):
@@ -144,71 +144,6 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, *,
                                 world_size * micro_batch_size * units_per_sample)
     # divides exactly, at least once (GlobalBatchScheduleConfig.check)
     return ConstantSchedule(cfg.global_batch_size // (world_size * micro_batch_size))
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Which positions of one rank's epoch hold real samples. DistributedSampler(drop_last=False)
-    (data.train_loader) pads the epoch's shuffled index list to a multiple of world_size by
-    repeating its head, and rank r takes global positions r, r + W, r + 2W, ...: global positions
-    >= dataset_size are repeats. Every rank's share has the same length (the same micro-batches,
-    so DDP's collectives match), and a rank's repeats are the end of its share: at most one
-    sample, on ranks r >= dataset_size mod W, when the data set is not smaller than the world.
-    Pure arithmetic, identical on every rank: no communication."""
-
-    dataset_size: int
-    rank: int = 0
-    world_size: int = 1
-
-    def __len__(self) -> int:
-        return -(-self.dataset_size // self.world_size)
-
-    def real(self, start: int, stop: int) -> int:
-        """Real samples at this rank's positions [start, stop)."""
-        n_real = max(0, -(-(self.dataset_size - self.rank) // self.world_size))
-        return max(0, min(stop, n_real) - start)
-
-    def global_real(self, start: int, stop: int) -> int:
-        """Real samples at positions [start, stop) of every rank: global [start W, stop W)."""
-        w = self.world_size
-        return max(0, min(stop * w, self.dataset_size) - start * w)
-
-
-@dataclass(frozen=True)
-class Window:
-    """Micro-batches [start, stop) of one rank's epoch. They hold ``local_samples`` positions,
-    the same number on every rank; the first ``real`` of them are this rank's real samples, the
-    rest repeats the sampler padded with (see Shard); ``global_real`` counts the window's real
-    samples over all ranks: what its mean loss is a mean over."""
-
-    start: int
-    stop: int
-    local_samples: int
-    real: int
-    global_real: int
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-def micro_batches(shard: Shard, micro_batch_size: int) -> int:
-    """Micro-batches in one rank's epoch (the last one may be short)."""
-    return -(-len(shard) // micro_batch_size)
-
-
-def cut_window(shard: Shard, micro_batch_size: int, start: int, accum_steps: int) -> Window:
-    """The window of accum_steps micro-batches from micro-batch `start` of one rank's epoch,
-    fewer where the epoch ends. The last micro-batch may be short (data not a multiple of the
-    micro-batch); both are counted exactly, and the sampler's repeats are told apart from real
-    samples, so the loss can be normalised per real sample. The window's micro-batches are the
-    same on every rank; only ``real`` differs between ranks. The loop cuts one window at a
-    time, so N may change inside an epoch (schedule=adaptive)."""
-    local_samples = len(shard)
-    stop = min(start + accum_steps, micro_batches(shard, micro_batch_size))
-    first, last = start * micro_batch_size, min(stop * micro_batch_size, local_samples)
-    return Window(start, stop, last - first, shard.real(first, last),
-                  shard.global_real(first, last))
 
 
 def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: int) -> int:

@@ -6,6 +6,7 @@ umask, like every other output of a run."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,3 +33,9 @@ def replacing(path: Path, binary: bool = False, tmp: Path | None = None) -> Iter
         if isinstance(e, OSError) and e.filename is None:  # a failed write names no file
             e.filename = str(path)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    with replacing(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")

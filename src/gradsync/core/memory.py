@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync.train.metrics import peak_memory_mb
-
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind `tensors`, each storage once (None and freed ones: 0)."""
@@ -128,3 +126,15 @@ class MemoryMeter:
                 "grad_sharded_bytes": self.grads.sharded_bytes,
                 "grad_held_bytes": self.grads.held_bytes, "peak_mb": self.peak_mb(),
                 "peak_measure": self.measure}
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """The peak of memory torch allocated on this rank's GPU (None on the CPU). Read from the
+    caching allocator's counters: no device sync."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
