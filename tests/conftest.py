@@ -192,8 +192,7 @@ def pytest_configure(config):
     _watch_job_processes()
     # what the entry point registers before composing: the tests that compose with Hydra's API
     # directly (test_sweep, test_race, test_cluster) must not rely on a test run before them
-    from gradsync.config.hydra import register_configs
-    from gradsync.run.main import register_resolvers
+    from gradsync.run.main import register_resolvers, register_schemas
 
-    register_configs()
+    register_schemas()
     register_resolvers()

@@ -15,17 +15,16 @@ import yaml
 from torch.utils.data import default_collate
 
 from gradsync.components import build, locate, parameters
-from gradsync.config.hydra import register_configs
 from gradsync.config.renames import RENAMED
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.dtypes import DTYPES
-from gradsync.run.main import CONF_DIR, compose_plain
+from gradsync.run.main import CONF_DIR, compose_plain, register_schemas
 from gradsync.run.preflight import preflight
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
 
-register_configs()
+register_schemas()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
           "lr_scheduler", "loss"]
 # token data and the transformer only go together

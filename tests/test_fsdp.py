@@ -381,7 +381,6 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_
     ([*FSDP, "precision=fp16"], "precision=fp16 with engine=fsdp"),
     ([*FSDP, "sync=local_sgd"], "sync policy 'local_sgd' averages whole models"),
     ([*FSDP, "sync.compression=powersgd"], "sync.compression=powersgd compresses DDP's buckets"),
-    ([*FSDP, "engine.replicas=2"], "engine.replicas is the replicate dimension"),
     ([*FSDP, "sync.replica_all_reduce=boundary"],
      "sync.replica_all_reduce=boundary is for engine=hsdp"),
     ([*FSDP, "trainer.check_replicas=1"], "trainer.check_replicas with engine=fsdp"),
@@ -394,7 +393,6 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_
      "sync.groups[0].every with engine=fsdp"),
     (["engine=hsdp", "engine.replicas=3"], "engine.replicas=3 is not allowed"),
     (["sync.reduce_scatter=every"], "sync.reduce_scatter=every is for sharded engines"),
-    (["engine.fsdp_units=0"], "engine.fsdp_units is for sharded engines"),
     ([*HSDP_2x1, "sync.replica_all_reduce=every"],
      "sync.replica_all_reduce=every with sync.reduce_scatter=boundary"),
     ([*HSDP_2x1, "sync.reduce_scatter=every",
@@ -406,6 +404,22 @@ def test_combinations_that_cannot_hold_are_one_line_config_errors(overrides, mes
     with pytest.raises(ConfigError) as e:
         preflight(compose_plain(["model.hidden_sizes=[16]", *overrides]))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # each engine owns its settings: another engine's is no key of this one (engines/fsdp.py)
+    ([*FSDP, "engine.replicas=2"], "engine.replicas: unknown key; allowed keys: "
+     "find_unused_parameters, fsdp_units, name"),
+    (["engine.fsdp_units=0"], "engine.fsdp_units: unknown key; allowed keys: allreduce, "
+     "bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, name, sync_batchnorm, "
+     "trace_sync"),
+])
+def test_another_engines_setting_is_an_unknown_key_in_one_line(overrides, message):
+    from gradsync.config.errors import one_line
+
+    with pytest.raises(Exception) as e:
+        compose_plain(["model.hidden_sizes=[16]", *overrides])
+    assert one_line(e.value) == message
 
 
 def test_per_unit_rules_pick_each_units_flavour_and_wire(runs):
@@ -447,9 +461,10 @@ def test_inspect_params_shows_the_units(tmp_path, monkeypatch, capsys):
 def test_memory_vs_bytes_sweeps_every_variant_on_the_same_model_data_and_global_batch():
     from hydra import compose, initialize_config_dir
 
-    from gradsync.config.hydra import CONF_DIR, register_configs
+    from gradsync.config.hydra import CONF_DIR
+    from gradsync.run.main import register_schemas
 
-    register_configs()
+    register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["experiment=memory_vs_bytes"],
                       return_hydra_config=True)

@@ -28,6 +28,7 @@ from gradsync.config.schema import (
     TrainerConfig,
 )
 from gradsync.config.validate import RUNTIME
+from gradsync.engines import ENGINES
 from gradsync.run.main import CONF_DIR, compose_plain
 from gradsync.run.preflight import preflight
 
@@ -44,7 +45,8 @@ CHOICES = {"": [], "model=transformer": ["model=transformer", "data=synthetic_lm
            "schedule=global_batch": ["schedule=global_batch", "schedule.global_batch_size=64"],
            "schedule=adaptive": ["schedule=adaptive"],
            "precision=fp16": ["precision=fp16"], "model=mlp": ["model=mlp"],
-           "model=hf_llama": ["model=hf_llama", "data=synthetic_lm"]}
+           "model=hf_llama": ["model=hf_llama", "data=synthetic_lm"],
+           "engine=fsdp": ["engine=fsdp"], "engine=hsdp": ["engine=hsdp"]}
 BIG = 10**15  # a size no machine holds (bytes, samples, parameters)
 
 # Each option: the values out of its range (besides the wrong types, NaN and infinities
@@ -84,9 +86,12 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("", "compile.backend"): ["nope", ""],
     ("", "compile.mode"): ["fastest"],
     ("", "compile.dynamic"): "true, false or null (torch's default): all choices",
-    # sharded engines' settings: refused on the DDP engines, checked against the model there
-    ("", "engine.fsdp_units"): ["", "nope*", "0"],
-    ("", "engine.replicas"): [-1, 5],
+    # the sharded engines' settings (engines/fsdp.py), checked against the model
+    ("engine=fsdp", "engine.fsdp_units"): ["", "nope*", "0.weight"],
+    ("engine=fsdp", "engine.find_unused_parameters"): "true or false: both are choices",
+    ("engine=hsdp", "engine.fsdp_units"): ["", "nope*", "0.weight"],
+    ("engine=hsdp", "engine.find_unused_parameters"): "true or false: both are choices",
+    ("engine=hsdp", "engine.replicas"): [-1, 5],
     # --- schedule, precision, loss ----------------------------------------------------------
     ("schedule=constant", "schedule.name"): ["linear", ""],
     ("schedule=constant", "schedule.accum_steps"): [0, -1],
@@ -183,8 +188,7 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
     the parameters of every built-in component (conf/'s YAML options with a gradsync
     target), those the worker passes at run time left out; optimizers are torch's own."""
     found: dict[tuple[str, str], typing.Any] = {}
-    for choice, group, cls in [("", "trainer", TrainerConfig), ("", "engine", EngineConfig),
-                               ("", "compile", CompileConfig),
+    for choice, group, cls in [("", "trainer", TrainerConfig), ("", "compile", CompileConfig),
                                ("", "noise_scale", NoiseScaleConfig),
                                ("precision=fp16", "precision",
                                                                PrecisionConfig),
@@ -192,7 +196,14 @@ def enumerated() -> dict[tuple[str, str], typing.Any]:
                                *((f"schedule={n}", "schedule", c) for n, c in SCHEDULES.items())]:
         for name, hint in typing.get_type_hints(cls).items():
             found[choice, f"{group}.{name}"] = hint
-    found["", "seed"], found["", "resume"] = int, str
+    found["", "seed"], found["", "resume"], found["", "engine.name"] = int, str, str
+    kinds = set()  # each engine's own settings (their module's dataclass), once per dataclass
+    for name, registered in ENGINES.items():
+        if registered.settings not in kinds:
+            kinds.add(registered.settings)
+            choice = "" if name == EngineConfig().name else f"engine={name}"
+            for key, hint in typing.get_type_hints(registered.settings).items():
+                found[choice, f"engine.{key}"] = hint
     for group in ("model", "data", "sync", "lr_scheduler"):
         for path in sorted((Path(CONF_DIR) / group).glob("*.yaml")):
             target = locate(yaml.safe_load(path.read_text())["_target_"])

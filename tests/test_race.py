@@ -16,13 +16,13 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from gradsync.components import ConfigError, describe
-from gradsync.config.hydra import register_configs, to_plain
+from gradsync.config.hydra import to_plain
 from gradsync.data import corpus
 from gradsync.run import sweep
-from gradsync.run.main import CONF_DIR
+from gradsync.run.main import CONF_DIR, register_schemas
 from gradsync.run.preflight import preflight
 
-register_configs()
+register_schemas()
 
 
 # --- the corpus ------------------------------------------------------------------------------

@@ -19,15 +19,15 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from gradsync.config.hydra import register_configs, to_plain
+from gradsync.config.hydra import to_plain
 from gradsync.config.schema import RunConfig
 from gradsync.run import rundir, sweep
-from gradsync.run.main import CONF_DIR
+from gradsync.run.main import CONF_DIR, register_schemas
 from gradsync.run.preflight import preflight
 from gradsync.train.metrics import final_metrics, flat_hparams
 from gradsync.train.schedules import build_schedule
 
-register_configs()
+register_schemas()
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -180,14 +180,19 @@ def test_a_new_engine_is_its_module_registering_it(tmp_path, monkeypatch):
     import gradsync.engines as engines
 
     (tmp_path / "planted_engine.py").write_text(
+        "from dataclasses import dataclass\n"
         "from gradsync.engines.base import Capabilities, Registered\n"
+        "@dataclass\n"
+        "class PlantedSettings:\n"
+        "    depth: int = 1\n"
+        "    def check(self, device_type): pass\n"
         "class Planted:\n"
         "    capabilities = Capabilities(per_bucket=True, compile_min_bucket_mb=2.5)\n"
         "    def __init__(self, model, world_size):\n"
         "        self.model, self.world_size = model, world_size\n"
-        "def build_planted(model, world_size):\n"
-        "    return Planted(model, world_size)\n"
-        "ENGINES = {'planted': Registered(Planted, build_planted)}\n")
+        "def build_planted(model, world_size, depth):\n"
+        "    return Planted(model, world_size * depth)\n"
+        "ENGINES = {'planted': Registered(Planted, build_planted, PlantedSettings)}\n")
     monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(tmp_path)])
     try:
         monkeypatch.setattr(engines, "ENGINES", engines._collect())
@@ -200,3 +205,5 @@ def test_a_new_engine_is_its_module_registering_it(tmp_path, monkeypatch):
     built = engines.build_engine("planted", AlwaysSync(), model="m", world_size=3, counts=None,
                                  compile=None)
     assert (built.model, built.world_size) == ("m", 3)  # only the keywords it names
+    deeper = engines.build_engine("planted", AlwaysSync(), model="m", world_size=3, depth=2)
+    assert deeper.world_size == 6  # its settings as keywords: the default's other values

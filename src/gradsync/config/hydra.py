@@ -24,7 +24,6 @@ from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import (
     SCHEMA_GROUPS,
     CompileConfig,
-    EngineConfig,
     LossConfig,
     NoiseScaleConfig,
     TrainerConfig,
@@ -40,7 +39,7 @@ class Config:
     precision: Any = MISSING
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: Any = MISSING  # its schema: the engine's own settings (run/main.py registers them)
     compile: CompileConfig = field(default_factory=CompileConfig)
     noise_scale: NoiseScaleConfig = field(default_factory=NoiseScaleConfig)
     lr_scheduler: Any = MISSING

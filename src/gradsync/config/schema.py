@@ -45,7 +45,6 @@ def _in_range(obj: Any, group: str, ranges: dict[str, tuple[int, int | None]]) -
                 value)
 
 
-ALLREDUCE = ("auto", "shared_memory", "process_group")
 BACKENDS = ("auto", "gloo", "nccl")  # trainer.backend (run/placement.py resolves auto)
 # Upper bounds of counts no machine runs: ranks one launcher starts on one node, threads of
 # one rank, DataLoader worker processes of one rank.
@@ -57,7 +56,6 @@ MAX_ACCUM = 2**20  # micro-batches of one window (schedule=adaptive's bounds)
 # A process group's timeout: torch's clocks count nanoseconds in 64 bits (about 292 years),
 # Python's timedelta fewer than 10**14 seconds; 10**9 s (31 years) is far from both.
 MAX_TIMEOUT_S = 10**9
-MAX_BUCKET_CAP_MB = 2**20  # a 1 TiB bucket: more than any model's gradients on one rank
 MAX_FLOAT32 = 3.4028234663852886e38  # the GradScaler's scale is a float32
 
 
@@ -159,43 +157,20 @@ class NoiseScaleConfig:
 @dataclass
 class EngineConfig:
     """engine=<name> (conf/engine/<name>.yaml): the data-parallel engine, one of
-    gradsync.engines.ENGINES (docs/engines.md, docs/sharded.md), and its settings. A setting
-    the chosen engine does not use is refused (its capabilities: engines/base.py; the sharded
-    engines' checks: engines/fsdp.py check_config)."""
+    gradsync.engines.ENGINES (docs/engines.md, docs/sharded.md), and its settings, which the
+    engine owns: its module's settings dataclass holds their defaults and checks
+    (gradsync.engines.settings_of, run before any worker starts)."""
 
     name: str = "torch_ddp"
-    # the DDP engines (torch_ddp, gradsync)
-    gradient_as_bucket_view: bool = True
-    bucket_cap_mb: float = 25.0
-    allreduce: str = "auto"  # auto | shared_memory | process_group: how CPU ranks all-reduce
-    trace_sync: bool = False  # trace.json: every bucket's all-reduce, per rank (docs/debugging.md)
-    # BatchNorm layers become torch.nn.SyncBatchNorm: batch statistics over every rank's
-    # micro-batch (the DDP engines, CUDA ranks: docs/exactness.md); off: each rank's own
-    sync_batchnorm: bool = False
-    # parameters may get no gradient in a synchronising backward (docs/debugging.md); off: such
-    # a parameter is an error
-    find_unused_parameters: bool = False
-    # sharded engines (fsdp, hsdp; docs/sharded.md): the modules that become FSDP units, globs
-    # over module names ('|' between them; auto: the model's own choice), and HSDP's replicate
-    # dimension (0: one replica per host)
-    fsdp_units: str = "auto"
-    replicas: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)  # engine.<key>, as composed
 
-    def check(self, device_type: str) -> None:
-        """device_type: where the ranks compute (the job's placement), cpu or cuda."""
-        check_types(self, "engine")
-        require(finite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB,
-                "engine.bucket_cap_mb", f"a finite number > 0 (at most {MAX_BUCKET_CAP_MB})",
-                self.bucket_cap_mb)
-        require(self.allreduce in ALLREDUCE, "engine.allreduce",
-                f"one of {', '.join(ALLREDUCE)}", self.allreduce)
-        if self.sync_batchnorm and device_type != "cuda":
-            raise ConfigError("engine.sync_batchnorm=true needs CUDA ranks: torch's "
-                              "SyncBatchNorm computes its statistics on the GPU only (no CPU "
-                              "kernel); on CPU ranks each rank keeps its own batch statistics")
-        if self.allreduce == "shared_memory" and device_type == "cuda":
-            raise ConfigError("engine.allreduce=shared_memory is for CPU ranks on gloo; on "
-                              "CUDA nccl all-reduces: use auto or process_group")
+    @classmethod
+    def from_node(cls, node: dict[str, Any]) -> EngineConfig:
+        return cls(node["name"], {k: v for k, v in node.items() if k != "name"})
+
+    @property
+    def node(self) -> dict[str, Any]:
+        return {"name": self.name, **self.settings}
 
 
 # A window is N micro-batches of micro_batch_size samples on each rank; the schedule decides N.
@@ -431,7 +406,7 @@ class RunConfig:
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
-                   engine=typed(EngineConfig, plain["engine"]),
+                   engine=EngineConfig.from_node(plain["engine"]),
                    compile=typed(CompileConfig, plain["compile"]),
                    noise_scale=typed(NoiseScaleConfig, plain["noise_scale"]),
                    loss=typed(LossConfig, plain["loss"]),
@@ -444,9 +419,9 @@ class RunConfig:
         return self.schedule.micro_batch_size
 
     def to_plain(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: getattr(self, k).node for k in COMPONENTS}
-        for group in ("schedule", "precision", "trainer", "engine", "compile", "noise_scale",
-                      "loss", "lr_scaling"):
+        out: dict[str, Any] = {k: getattr(self, k).node for k in (*COMPONENTS, "engine")}
+        for group in ("schedule", "precision", "trainer", "compile", "noise_scale", "loss",
+                      "lr_scaling"):
             out[group] = asdict(getattr(self, group))
         return out | {"seed": self.seed, "resume": self.resume}
 
@@ -457,10 +432,9 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "schedule": SCHEDULES,
     "precision": {name: PrecisionConfig for name in PRECISIONS},
     "trainer": {"default": TrainerConfig},
-    "engine": {"default": EngineConfig},
     "compile": {"default": CompileConfig},
     "noise_scale": {"default": NoiseScaleConfig},
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }
-TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "seed", "resume")  # a composed config's keys
+TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "engine", "seed", "resume")  # a composed config's keys

@@ -78,7 +78,6 @@ def validate(plain: dict[str, Any], world_size: int, device_type: str) -> RunCon
     check_shape(plain)
     cfg = RunConfig.from_plain(plain)
     cfg.trainer.check(device_type)
-    cfg.engine.check(device_type)
     cfg.compile.check()
     cfg.noise_scale.check()
     require(accepts(int, cfg.seed) and 0 <= cfg.seed < 2**63, "seed",

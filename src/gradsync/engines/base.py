@@ -117,9 +117,23 @@ class Engine(Protocol):
         ...
 
 
+class Settings(Protocol):
+    """An engine's settings (``engine.*``): a dataclass its module owns, with defaults; Hydra's
+    schema for ``engine=<name>`` is made from it (run/main.py), so conf/engine/<name>.yaml
+    states only what differs."""
+
+    def check(self, device_type: str) -> None:
+        """Its values for ranks computing on device_type (cpu, cuda): one-line ConfigErrors,
+        before any worker starts."""
+        ...
+
+
 class Registered(NamedTuple):
-    """One engine as its module registers it: ``ENGINES = {"<name>": Registered(Class, build)}``
-    at the module's end, the name being ``engine=<name>`` (conf/engine/<name>.yaml)."""
+    """One engine as its module registers it: ``ENGINES = {"<name>": Registered(Class, build,
+    Settings)}`` at the module's end, the name being ``engine=<name>`` (conf/engine/<name>.yaml).
+    A new engine is its module and that YAML."""
 
     engine: type[Engine]  # the class: its capabilities
-    build: Callable[..., Engine]  # given the keywords it names (gradsync.engines.build_engine)
+    # given its settings and the run-time keywords it names (gradsync.engines.build_engine)
+    build: Callable[..., Engine]
+    settings: type  # its settings' dataclass (Settings)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.components import RESERVED, ConfigError, locate, parameters, require
+from gradsync.config.schema import check_types
 from gradsync.core.memory import MemoryMeter, local, storage_bytes
 from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0
@@ -148,13 +149,46 @@ def unit_table(model: nn.Module, rule: str, wire: Wire, hsdp: bool) -> str:
     return "\n".join(lines)
 
 
-# --- checks before any worker starts ----------------------------------------------------------
-def check_config(engine: Any, can: Capabilities, check_replicas: int, sync: dict[str, Any],
-                 precision: str, world_size: int, policy: Callable[[], SyncPolicy],
-                 model: Callable[[], nn.Module]) -> None:
-    """What a sharded engine cannot run, and the sharded-only settings on another engine, as
-    one-line ConfigErrors. engine: the run's EngineConfig; can: its capabilities; sync: the
-    sync node; policy/model: build the run's policy and (meta) model when asked."""
+# --- settings and checks before any worker starts ---------------------------------------------
+@dataclass
+class FSDPSettings:
+    """engine=fsdp's settings (docs/sharded.md)."""
+
+    # the modules that become FSDP units, globs over module names ('|' between them; auto: the
+    # model's own choice)
+    fsdp_units: str = AUTO_UNITS
+    # parameters may get no gradient in a backward (FSDP2 reduce-scatters them anyway)
+    find_unused_parameters: bool = False
+
+    def check(self, device_type: str) -> None:
+        check_types(self, "engine")
+        require(self.fsdp_units.strip() != "", "engine.fsdp_units",
+                f"{AUTO_UNITS} or globs over module names ('|' between them)", self.fsdp_units)
+        if self.find_unused_parameters and not fsdp_reduces_unused():
+            raise ConfigError("engine.find_unused_parameters with a sharded engine: this "
+                              "torch's FSDP2 has no set_reduce_scatter_unused_params (torch >= "
+                              "2.13); use engine=torch_ddp or gradsync")
+
+
+@dataclass
+class HSDPSettings(FSDPSettings):
+    """engine=hsdp's settings: fsdp's and the replicate dimension (docs/sharded.md)."""
+
+    replicas: int = 0  # replicas of the model, each sharded over its ranks; 0: one per host
+
+    def check(self, device_type: str) -> None:
+        super().check(device_type)
+        require(self.replicas >= 0, "engine.replicas",
+                "0 (one replica per node) or a divisor of the world size", self.replicas)
+
+
+def check_config(name: str, engine: Any, can: Capabilities, check_replicas: int,
+                 sync: dict[str, Any], precision: str, world_size: int,
+                 policy: Callable[[], SyncPolicy], model: Callable[[], nn.Module]) -> None:
+    """What a sharded engine cannot run, and a sharded engine's sync flavours on another
+    engine, as one-line ConfigErrors. name, engine: the run's engine and its settings; can: its
+    capabilities; sync: the sync node; policy/model: build the run's policy and (meta) model
+    when asked."""
     sync_args = {k: v for k, v in sync.items() if k not in RESERVED}
     rules = sync_args.get("groups") or []
     # a sharded flavour differs from the policy's own default (its signature: the one source)
@@ -167,39 +201,22 @@ def check_config(engine: Any, can: Capabilities, check_replicas: int, sync: dict
     if not can.sharded:
         if flavours:
             raise ConfigError(f"{flavours[0]} is for sharded engines: set engine=fsdp or "
-                              f"hsdp (engine={engine.name} all-reduces whole gradients)")
-        if engine.fsdp_units != AUTO_UNITS:
-            raise ConfigError(f"engine.fsdp_units is for sharded engines: set engine="
-                              f"fsdp or hsdp (engine={engine.name})")
-        if engine.replicas != 0:
-            raise ConfigError(f"engine.replicas is the replicate dimension of engine="
-                              f"hsdp (engine={engine.name})")
+                              f"hsdp (engine={name} all-reduces whole gradients)")
         return
-    where = f"engine={engine.name}"
+    where = f"engine={name}"
     if precision == "fp16":
         raise ConfigError(f"precision=fp16 with {where}: the GradScaler would see only each "
                           "rank's shard of the gradients; use bf16 (FSDP's MixedPrecisionPolicy)")
     if check_replicas:
         raise ConfigError(f"trainer.check_replicas with {where}: ranks hold different shards by "
                           "design; set trainer.check_replicas=0")
-    if engine.allreduce == "shared_memory":
-        raise ConfigError(f"engine.allreduce=shared_memory with {where}: FSDP reduce-scatters "
-                          "through the process group; use auto or process_group")
-    if engine.find_unused_parameters and not fsdp_reduces_unused():
-        raise ConfigError(f"engine.find_unused_parameters with {where}: this torch's FSDP2 has "
-                          "no set_reduce_scatter_unused_params (torch >= 2.13); use "
-                          "engine=torch_ddp or gradsync")
     if not can.replicas:
-        if engine.replicas != 0:
-            raise ConfigError("engine.replicas is the replicate dimension of engine="
-                              "hsdp; engine=fsdp shards over every rank")
         ar = [f for f in flavours if "replica_all_reduce" in f]
         if ar:
             raise ConfigError(f"{ar[0]} is for engine=hsdp (the all-reduce across "
                               "replicas); engine=fsdp has one shard group")
     else:
-        require(isinstance(engine.replicas, int) and engine.replicas >= 0
-                and (engine.replicas == 0 or world_size % engine.replicas == 0),
+        require(engine.replicas == 0 or world_size % engine.replicas == 0,
                 "engine.replicas", f"0 (one replica per node) or a divisor of the world size "
                 f"{world_size}", engine.replicas)
     for i, r in enumerate(rules):
@@ -515,5 +532,5 @@ def build_hsdp(model: nn.Module, wire: Wire, device: torch.device, world_size: i
 
 
 # engine=<name> (conf/engine/<name>.yaml): gradsync.engines collects these
-ENGINES = {"fsdp": Registered(FSDPEngine, build_fsdp),
-           "hsdp": Registered(HSDPEngine, build_hsdp)}
+ENGINES = {"fsdp": Registered(FSDPEngine, build_fsdp, FSDPSettings),
+           "hsdp": Registered(HSDPEngine, build_hsdp, HSDPSettings)}

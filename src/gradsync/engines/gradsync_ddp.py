@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.core.memory import MemoryMeter, storage_bytes
-from gradsync.engines.allreduce import grads_to_none, policy_allreduce
+from gradsync.engines.allreduce import DDPSettings, grads_to_none, policy_allreduce
 from gradsync.engines.base import Capabilities, Registered
 from gradsync.engines.buffers import broadcast_from_rank0, synced_batchnorm, to_sync_batchnorm
 from gradsync.engines.compiled import Compile
@@ -419,7 +419,8 @@ def build_gradsync_ddp(model: nn.Module, wire: Wire, averager: Averager | None,
                        world_size: int, counts: CommCounts, bucket_cap_mb: float = 25.0,
                        gradient_as_bucket_view: bool = True, allreduce: str = "auto",
                        find_unused_parameters: bool = False,
-                       trace: SyncTrace | None = None,
+                       trace: SyncTrace | None = None, trace_sync: bool = False,
+                       rank: int = 0,
                        memory: MemoryMeter | None = None,
                        probe: Probe | None = None,
                        sync_batchnorm: bool = False,
@@ -428,6 +429,8 @@ def build_gradsync_ddp(model: nn.Module, wire: Wire, averager: Averager | None,
     the wire's all-reduce inside the counting hook, through shared memory where `allreduce`
     allows; probe: the noise scale's squared norms, taken inside the counting hook
     (train/noise_scale.py)."""
+    if trace is None and trace_sync:  # engine.trace_sync: this rank's recorder
+        trace = SyncTrace(rank)
     if sync_batchnorm:  # before the policy names parameters and the engine wraps the model
         model = to_sync_batchnorm(model)
     ignored = wire.bind(model)
@@ -443,4 +446,4 @@ def build_gradsync_ddp(model: nn.Module, wire: Wire, averager: Averager | None,
 
 
 # engine=<name> (conf/engine/<name>.yaml): gradsync.engines collects these
-ENGINES = {"gradsync": Registered(GradsyncDDP, build_gradsync_ddp)}
+ENGINES = {"gradsync": Registered(GradsyncDDP, build_gradsync_ddp, DDPSettings)}

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradsync.config.schema import RunConfig
 from gradsync.data.contract import build_data
-from gradsync.engines import capabilities
+from gradsync.engines import capabilities, settings_of
 from gradsync.models import build_on_meta
 from gradsync.sync.layer_sync import REST, ParamInfo, assign, parameter_infos, parse_rules
 
@@ -68,4 +68,5 @@ def parameters_table(cfg: RunConfig) -> str:
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": False, "world_size": 1,
                                              "counts": CommCounts()}), cfg.sync.target)
     wire = policy.wire or PLAIN
-    return f"{table}\n\n{unit_table(model, cfg.engine.fsdp_units, wire, can.replicas)}"
+    units = settings_of(cfg.engine).fsdp_units  # type: ignore[attr-defined]
+    return f"{table}\n\n{unit_table(model, units, wire, can.replicas)}"

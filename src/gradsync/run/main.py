@@ -39,6 +39,8 @@ from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.numerics import NumericsError, check_portable
 from gradsync.core.ranks import is_rank0
 from gradsync.engines import capabilities
+from gradsync.engines import schemas as engine_schemas
+from gradsync.engines.trace import TRACE_DIR
 from gradsync.engines.trace import merge as merge_trace
 from gradsync.run import slurm
 from gradsync.run import summary as run_summary
@@ -75,9 +77,20 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(name, fn, use_cache=cache, replace=True)
 
 
+def register_schemas() -> None:
+    """Hydra's schemas: the settings' (config/hydra.py) and each engine's own settings
+    (schema/engine/<name>, made from the dataclass its module registers: gradsync.engines)."""
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    for name, schema in engine_schemas().items():
+        ConfigStore.instance().store(group="schema/engine", name=name, node=schema)
+
+
 def compose_plain(overrides: list[str]) -> dict[str, Any]:
     """The config the command line composes from these overrides, as plain data (not yet
     checked): for tests and benchmarks that run the pieces without a Hydra job."""
+    register_schemas()
     register_resolvers()
     return to_plain(compose(overrides))
 
@@ -166,7 +179,7 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
         try:
             signum, summary = launch(cfg, placement, run_dir, lock)
         finally:  # what every rank recorded, a failed run's too (engines/trace.py)
-            if cfg.engine.trace_sync and is_rank0():
+            if (run_dir / TRACE_DIR).is_dir() and is_rank0():
                 _merge_trace(run_dir)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
@@ -282,7 +295,7 @@ def main() -> None:
     if user_wants_traceback:
         os.environ["GRADSYNC_TRACEBACK"] = "1"
     cwd_importable()  # a user's own _target_ modules, next to where they run
-    register_configs()
+    register_schemas()
     register_resolvers()
     scratch = None
     if INSPECT_PARAMS in sys.argv[1:]:

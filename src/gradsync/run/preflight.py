@@ -28,7 +28,7 @@ from gradsync.components import (
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import DATA_SIZES, RUNTIME, check_shape, first_line, validate
 from gradsync.data.contract import build_data, check_bundle
-from gradsync.engines import able, capabilities
+from gradsync.engines import able, capabilities, settings_of
 from gradsync.models import build_on_meta
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
@@ -52,7 +52,7 @@ def preflight(plain: dict[str, Any], placement: Placement | None = None) -> RunC
         placement = place_job(plain["trainer"]["backend"], plain["trainer"]["devices"])
     cfg = validate(plain, placement.world_size, placement.device_type)
     model, policy = check_components(plain, cfg, placement.world_size)
-    check_engine(cfg, placement.world_size, model, policy)
+    check_engine(cfg, placement.world_size, placement.device_type, model, policy)
     noise_scale.check(cfg, placement.world_size, policy,
                       capabilities(cfg.engine.name).gradient_probe)
     return cfg
@@ -71,7 +71,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
 
     data_node, model_node = plain["data"], plain["model"]
     ctx = CheckContext("", world, cfg.precision.name, provided={
-        "allreduce": cfg.engine.allreduce,
+        "allreduce": cfg.engine.settings.get("allreduce"),
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
     builder = check("data", data_node, RUNTIME["data"], replace(ctx, group="data"))
     data = check_bundle(built("data", cfg.data.target,
@@ -142,30 +142,32 @@ def check_policy(cfg: RunConfig, world: int) -> Any:
     return policy
 
 
-def check_engine(cfg: RunConfig, world: int, model: nn.Module, policy: SyncPolicy) -> None:
-    """What the chosen engine cannot run with the other choices (a sharded engine: fp16,
-    model averaging, a unit whose parameters reduce differently...), and an engine's settings
-    given to another one (engines/fsdp.py check_config). model, policy: as check_components
-    built them (the model on the meta device, else on the CPU)."""
+def check_engine(cfg: RunConfig, world: int, device_type: str, model: nn.Module,
+                 policy: SyncPolicy) -> None:
+    """The engine's settings against its own dataclass and checks, then what the chosen engine
+    cannot run with the other choices (a sharded engine: fp16, model averaging, a unit whose
+    parameters reduce differently...; engines/fsdp.py check_config). model, policy: as
+    check_components built them (the model on the meta device, else on the CPU)."""
     from gradsync.engines.fsdp import check_config
 
-    eng = cfg.engine  # sync_batchnorm on CPU ranks: refused by EngineConfig.check
-    can = capabilities(eng.name)
-    for key in ("trace_sync", "sync_batchnorm"):
-        require(not getattr(eng, key) or getattr(can, key), f"engine.{key}",
-                f"false with engine={eng.name} (the DDP engines only: "
-                f"{', '.join(able(key))})", getattr(eng, key))
-    if cfg.compile.enabled and eng.bucket_cap_mb < can.compile_min_bucket_mb:
-        raise ConfigError(f"engine.bucket_cap_mb={eng.bucket_cap_mb} with compile.enabled=true: "
+    name = cfg.engine.name
+    can = capabilities(name)
+    settings = settings_of(cfg.engine)
+    settings.check(device_type)
+    bucket_cap_mb = getattr(settings, "bucket_cap_mb", None)
+    if cfg.compile.enabled and bucket_cap_mb is not None and \
+            bucket_cap_mb < can.compile_min_bucket_mb:
+        raise ConfigError(f"engine.bucket_cap_mb={bucket_cap_mb} with compile.enabled=true: "
                           f"torch's DDPOptimizer needs buckets of at least "
                           f"{can.compile_min_bucket_mb:g} MB (its first bucket's size)")
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    if eng.sync_batchnorm and not any(isinstance(m, _BatchNorm) for m in model.modules()):
+    if getattr(settings, "sync_batchnorm", False) and \
+            not any(isinstance(m, _BatchNorm) for m in model.modules()):
         raise ConfigError(f"engine.sync_batchnorm=true: the model ({cfg.model.target}) has no "
                           "BatchNorm layer to synchronise")
-    check_config(eng, can, cfg.trainer.check_replicas, cfg.sync.node, cfg.precision.name,
-                 world, policy=lambda: policy, model=lambda: model)
+    check_config(name, settings, can, cfg.trainer.check_replicas, cfg.sync.node,
+                 cfg.precision.name, world, policy=lambda: policy, model=lambda: model)
 
 
 def check_optimizer(node: dict[str, Any]) -> Any:

@@ -26,9 +26,9 @@ from gradsync.core.seeds import seed_everything, seed_rank
 from gradsync.data.contract import FirstBatchChecked, build_data
 from gradsync.data.evaluation import evaluate
 from gradsync.data.loader import train_loader
-from gradsync.engines import build_engine
+from gradsync.engines import build_engine, settings_of
 from gradsync.engines.compiled import Compile
-from gradsync.engines.trace import TRACE_DIR, SyncTrace
+from gradsync.engines.trace import TRACE_DIR
 from gradsync.run import summary as run_summary
 from gradsync.run.faults import (
     PROCESS_FLAG,
@@ -92,17 +92,12 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     meter = (noise.NoiseScale(world_size, device, unit, cfg.noise_scale.decay,
                               model.parameters()) if noise.measures(cfg) else None)
     probe = {"probe": meter.probe} if meter is not None and meter.probe is not None else {}
-    eng = cfg.engine
-    engine = build_engine(eng.name, model=model, policy=policy, device=device,
-                          world_size=world_size, counts=counts, bucket_cap_mb=eng.bucket_cap_mb,
-                          gradient_as_bucket_view=eng.gradient_as_bucket_view,
-                          allreduce=eng.allreduce, memory=memory, precision=cfg.precision.name,
-                          fsdp_units=eng.fsdp_units, replicas=eng.replicas,
-                          find_unused_parameters=eng.find_unused_parameters,
-                          sync_batchnorm=eng.sync_batchnorm,
+    engine = build_engine(cfg.engine.name, policy, settings_of(cfg.engine), model=model,
+                          device=device, world_size=world_size, rank=rank, counts=counts,
+                          memory=memory, precision=cfg.precision.name,
                           compile=Compile(cfg.compile.backend, cfg.compile.mode,
                                           cfg.compile.dynamic) if cfg.compile.enabled else None,
-                          trace=SyncTrace(rank) if eng.trace_sync else None, **probe)
+                          **probe)
     optimizer = build(cfg.optimizer.node)(engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, units_per_sample=(
         data.tokens_per_sample if unit == "tokens" else 1.0))
