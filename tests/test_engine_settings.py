@@ -14,7 +14,7 @@ from cli_jobs import Job
 
 REPO = Path(__file__).resolve().parents[1]
 
-TOY = '''"""engine=toy: torch's DDP whose buckets are `cap_mb` large (two files: this and its YAML)."""
+TOY = '''"""engine=toy: torch's DDP whose buckets are `cap_mb` large (two files: this, its YAML)."""
 from dataclasses import dataclass
 
 from gradsync.components import require
