@@ -250,6 +250,13 @@ BAD = [
       "~sync.reduce_scatter", "~sync.replica_all_reduce"],
      "sync (components_for_tests.NoShouldSync): returned a NoShouldSync, which is no sync "
      "policy: a sync policy has a method should_sync(micro_index, window_size) -> bool"),
+    # a member of the earlier contract on the policy: refused, naming the role it moved to
+    (["sync._target_=components_for_tests.Periodic", "~sync.compression",
+      "~sync.powersgd_rank", "~sync.powersgd_start_backwards", "~sync.groups",
+      "~sync.reduce_scatter", "~sync.replica_all_reduce"],
+     "sync (components_for_tests.Periodic): Periodic.after_window is no longer called on a "
+     "policy: it moved to the averager role (sync/averaging.py Averager); give the policy that "
+     "role (docs/components.md)"),
     (["sync._target_=components_for_tests.ShouldSyncOfOneArgument", "~sync.compression",
       "~sync.powersgd_rank", "~sync.powersgd_start_backwards", "~sync.groups",
       "~sync.reduce_scatter", "~sync.replica_all_reduce"],

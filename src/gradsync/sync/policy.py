@@ -81,6 +81,41 @@ AVERAGER = ("whole_model", "drift", "counters", "use_shared_memory", "start", "a
             "after_window", "finish", "in_sync", "local_step", "state_dict", "load_state_dict")
 
 
+# What gradsync once called on a policy itself and now calls on a role (or on the precision):
+# a policy of one's own written to the earlier contract is refused in one line naming where
+# the member went, never silently not called.
+MOVED = {
+    **{m: "the averager role (sync/averaging.py Averager)" for m in (
+        "start", "after_window", "finish", "in_sync", "local_step", "drift", "counters",
+        "whole_model", "use_shared_memory")},
+    "replicas_in_sync": "the averager role, as its in_sync (sync/averaging.py Averager)",
+    "syncs_parameters": "the averager role, as its whole_model (sync/averaging.py Averager)",
+    "own_replicas": "the averager role, as its whole_model (sync/averaging.py Averager)",
+    "replica_drift": "the averager role, as its drift (sync/averaging.py Averager)",
+    "averaging": "the averager role, as its counters (sync/averaging.py Averager)",
+    **{m: "the wire role (sync/comm.py Wire)" for m in (
+        "bind", "comm_hook", "sharded_sync", "sync_bucket", "overflow_consensus")},
+    "after_step": "the wire role or the averager role (sync/comm.py Wire, sync/averaging.py "
+                  "Averager)",
+    **{m: "the precision (train/precision.py; a wire asks for it with overflow_consensus = "
+          "True)" for m in ("window_doomed", "agree_on_overflow", "overflow")},
+}
+
+
+def refuse_moved_members(owner: Any, target: str) -> None:
+    """A member of the earlier contract on the policy's own class: one line naming the role it
+    moved to (a member the policy holds as its own role, local SGD's averager being the policy
+    itself, is that role's)."""
+    kind = type(owner)
+    own_roles = {role for role in ("wire", "averager") if getattr(owner, role, None) is owner}
+    for member, where in MOVED.items():
+        if hasattr(kind, member) and not hasattr(SyncPolicy, member) and \
+                not any(role in where for role in own_roles):
+            raise ConfigError(f"sync ({target}): {kind.__qualname__}.{member} is no longer "
+                              f"called on a policy: it moved to {where}; give the policy that "
+                              "role (docs/components.md)")
+
+
 class Adopted(SyncPolicy):
     """A policy of a class of its own (no SyncPolicy subclass), held, not changed: its
     should_sync, its name, wire and averager if it has them (read from it), and its state_dict
@@ -109,6 +144,7 @@ def as_policy(obj: Any, target: str = "sync") -> SyncPolicy:
                               "a sync policy has a method should_sync(micro_index, window_size) "
                               "-> bool (or subclass gradsync.sync.policy.SyncPolicy)")
         obj = Adopted(obj)
+    refuse_moved_members(obj.policy if isinstance(obj, Adopted) else obj, target)
     check_should_sync(obj, target)
     for role, base in (("wire", Wire), ("averager", Averager)):
         held = getattr(obj, role)
