@@ -169,6 +169,11 @@ def pins_missing() -> list[str]:
     return missing
 
 
+def bits_in_force() -> str:
+    """portable where this process runs with portable bits' pins, else native."""
+    return "native" if pins_missing() or torch.backends.mkldnn.enabled else "portable"
+
+
 def apply(bits: str, device_type: str) -> list[str]:
     """In a rank, before its model is built: under portable, oneDNN off (the pins of the
     environment are checked by the caller). Returns lines to log."""

@@ -54,3 +54,14 @@ def epoch_batches(loader: DataLoader, epoch: int, skip_samples: int = 0) -> Iter
     sampler.skip = skip_samples
     loader.generator.manual_seed(derive_seed(sampler.seed, sampler.rank, epoch))
     return iter(loader)
+
+
+def loader(dataset: Dataset, micro_batch_size: int, seed: int = 0,
+           collate: Callable | None = None, num_workers: int = 0) -> DataLoader:
+    """gradsync's loader of this rank's share (train_loader's), in a process group already
+    initialised (torchrun's): what `windows` cuts exact windows from (docs/own-loop.md)."""
+    import torch.distributed as dist
+
+    up = dist.is_available() and dist.is_initialized()
+    return train_loader(dataset, micro_batch_size, dist.get_rank() if up else 0,
+                        dist.get_world_size() if up else 1, seed, collate, num_workers)[0]

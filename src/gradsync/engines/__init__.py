@@ -87,3 +87,26 @@ def build_engine(name: str, policy: SyncPolicy, settings: Settings | None = None
     builder = ENGINES[name].build
     accepted = parameters(builder)
     return builder(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def engine(model: Any, policy: SyncPolicy, name: str = "torch_ddp", *,
+           device: Any = None, **settings: Any) -> Engine:
+    """The engine `name` around `model` for `policy`, in a process group already initialised
+    (torchrun's): one's own loop's way to gradsync's engines (docs/own-loop.md). Its settings
+    as keywords (e.g. ``bucket_cap_mb=50``, ``trace_sync=True``), checked as a run checks them;
+    `device`: the model's (default: where its parameters are)."""
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.core.memory import MemoryMeter
+    from gradsync.sync.comm import CommCounts
+
+    require(name in ENGINES, "engine", f"one of {', '.join(ENGINES)}", name)
+    device = device or next(model.parameters()).device
+    checked = settings_of(EngineConfig(name, settings))
+    checked.check(torch.device(device).type)
+    up = dist.is_available() and dist.is_initialized()
+    return build_engine(name, policy, checked, model=model, device=torch.device(device),
+                        world_size=dist.get_world_size() if up else 1,
+                        rank=dist.get_rank() if up else 0, counts=CommCounts(),
+                        memory=MemoryMeter(torch.device(device)))

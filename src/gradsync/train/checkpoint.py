@@ -350,3 +350,48 @@ def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
             f"{path} was trained with {key}={old.get(key)!r}, this run has "
             f"{key}={new.get(key)!r}; only trainer settings other than the world size (more "
             "steps or epochs, cadences) may change on resume: use a new run dir")
+
+
+# --- one's own loop's checkpoints (docs/own-loop.md) ---------------------------------------------
+def save_checkpoint(ckpt_dir: str | Path, step: int, keep: int = 3,
+                    **state: Any) -> Path | None:
+    """`state` (state_dicts and plain numbers) as a checkpoint of optimizer step `step`:
+    written by rank 0 alone (no collective), atomically, with its sidecar (size, sha256) and
+    what this process computes with (core/numerics.py); the newest `keep` kept. The path on
+    rank 0, None on the others."""
+    import torch.distributed as dist
+
+    from gradsync.core import numerics
+
+    up = dist.is_available() and dist.is_initialized()
+    if up and dist.get_rank() != 0:
+        return None
+    return write({**state, "step": step, "world_size": dist.get_world_size() if up else 1,
+                  "config": {}, "config_hash": config_hash({}),
+                  "numerics": numerics.fingerprint(numerics.bits_in_force())},
+                 Path(ckpt_dir), keep)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The newest intact checkpoint of directory `path` (or the file it names), its digest
+    checked (ResumeError saying what is wrong otherwise). Where what it was written with
+    differs from what this process computes with, one line on stderr names what differs: the
+    continuation will not be bitwise the uninterrupted run."""
+    import sys
+
+    from gradsync.core import numerics
+
+    where, notes = Path(path), list[str]()
+    found = newest_intact(where, notes) if where.is_dir() else (where, verify(where))
+    for note in notes:
+        print(f"gradsync: {note}", file=sys.stderr)
+    if found is None:
+        raise ResumeError(f"{where}: no intact checkpoint")
+    ckpt = load(found[0])
+    differ = numerics.differences(ckpt.get("numerics"),
+                                  numerics.fingerprint(numerics.bits_in_force()))
+    if differ:
+        print(f"gradsync: {found[0]}: the numerics differ from the checkpoint's "
+              f"({'; '.join(differ)}): the continuation is not bitwise the uninterrupted run",
+              file=sys.stderr)
+    return ckpt

@@ -34,7 +34,7 @@ contract, data.DataBundle.loss) and returns the scalar its backward runs on.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -211,3 +211,16 @@ def build_normalizer(name: str, unit: str, world_size: int, device: torch.device
     if name == "micro_batch_mean":
         return ByMicroBatchMean()
     raise ValueError(f"unknown loss.normalize {name!r}")
+
+
+def normalizer(policy: Any = None, unit: str = "samples", tokens_per_sample: float = 1.0,
+               by: str = "auto", device: torch.device | None = None) -> Normalizer:
+    """What each micro-batch's loss is divided by, in a process group already initialised
+    (torchrun's), for one's own loop (docs/own-loop.md): `by` (auto: the data's `unit`,
+    samples or tokens) over every rank, a rank's own count on the local steps of `policy`'s
+    averager (local SGD)."""
+    averager = getattr(policy, "averager", None)
+    up = dist.is_available() and dist.is_initialized()
+    return build_normalizer(by, unit, dist.get_world_size() if up else 1,
+                            device or torch.device("cpu"), tokens_per_sample,
+                            averager.local_step if averager is not None else shared_steps)
