@@ -4,7 +4,7 @@ optimizer step (``loss.normalize``).
 
 - ``samples``: the window's real sample count over all ranks, divided by the world size (DDP's
   average over ranks completes the mean), known in advance from the window plan
-  (schedules.cut_window): the samples the DistributedSampler repeats to even out the ranks are
+  (windows.cut_window): the samples the DistributedSampler repeats to even out the ranks are
   neither in the loss (the loop drops them) nor in the count. No communication at all. On
   token data each sequence's own mean token loss counts as its sample loss.
 - ``tokens``: the global count of loss (non-padding) tokens in the window, over every
