@@ -32,3 +32,36 @@ def test_the_default_experiment_trains_the_recorded_bits(pool2, tmp_path):
     assert out["summary"]["optimizer_steps"] == 360
     assert out["summary"]["final_train_loss"] == 0.009959691320545971
     assert _digest(out["params"]) == RECORDED
+
+
+@pytest.mark.dist
+def test_the_default_run_measuring_the_noise_scale_reports_no_inf(pool2, tmp_path, capsys):
+    """noise_scale.enabled=true measures and changes nothing (the recorded bits); the default
+    run ends with |G|^2's average below 0, so B_simple has no value: summary.json holds null
+    and the reason (no inf anywhere), the end-of-run lines a warning and what crossed the
+    wire."""
+    import json
+
+    from gradsync.run import summary as run_summary
+
+    cfg = compose_plain(["trainer.progress_bar=false", "trainer.backend=gloo",
+                         "noise_scale.enabled=true"])
+    out = pool2.run(dist_cases.train_run, cfg, str(tmp_path))[0]
+    s = out["summary"]
+    assert _digest(out["params"]) == RECORDED
+    assert s["noise_scale"] is None and s["grad_norm_sq"] < 0 < s["grad_trace_cov"]
+    assert s["noise_scale_note"].startswith(f"the average |G|^2 estimate is "
+                                            f"{s['grad_norm_sq']:.3g} (not positive)")
+    json.dumps(s, allow_nan=False)  # no inf, no nan
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    bs = [r["noise_scale"] for r in rows if "noise_scale" in r]
+    assert len(bs) == 360 and all(b is None or 0 < b < 1e6 for b in bs)
+    assert any(b is not None for b in bs) and bs[-1] is None
+    run_summary.report(tmp_path, s | {"wall_s": 1.0})
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and printed.err.startswith(
+        "gradsync: warning: no gradient noise scale at the end of the run: the average |G|^2")
+    # one all-reduce of the MLP's 26,122 fp32 gradients (64-128-128-10) per optimizer step
+    assert s["sync_backwards"][0] == 360 and s["allreduce_bytes"][0] == 360 * 26_122 * 4
+    assert "  sent (rank 0): sync_backwards=360 allreduce=37.62 MB  noise_scale=n/a\n" \
+        in printed.out

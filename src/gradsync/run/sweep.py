@@ -96,8 +96,8 @@ def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
     rows = _rows(job_dir / "metrics.jsonl")
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
                _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
-               [(r["samples"], r["noise_scale"], r["accum_steps"]) for r in rows
-                if "noise_scale" in r])
+               [(r["samples"], math.nan if r["noise_scale"] is None else r["noise_scale"],
+                 r["accum_steps"]) for r in rows if "noise_scale" in r])
 
 
 SWEEP_LOCK = ".gradsync-sweep.lock"  # held by the sweep's process while it runs

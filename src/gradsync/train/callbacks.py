@@ -137,7 +137,8 @@ class StepLog:
             scalars["train/grad_norm"] = grad_norm
         if "lr_factor" in last:
             scalars["train/lr_factor"] = last["lr_factor"]
-        scalars |= {f"noise/{k}": v for k, v in last.items() if k in NOISE_SCALARS}
+        scalars |= {f"noise/{k}": v for k, v in last.items()
+                    if k in NOISE_SCALARS and v is not None}  # None: B_simple has no value
         if self.p.device.type == "cuda":  # rank 0's (mem/peak_mb's reading of torch's
             # counter); every rank's is in summary.json
             scalars["perf/peak_gpu_mem_mb"] = scalars["mem/peak_mb"]
