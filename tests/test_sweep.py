@@ -7,7 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
+import signal
+import time
 import socket
 import struct
 import subprocess
@@ -19,6 +22,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from cli_jobs import Job
 from gradsync.config.hydra import register_configs, to_plain
 from gradsync.config.schema import RunConfig
 from gradsync.run import rundir, sweep
@@ -150,6 +154,13 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
         assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(n)]
         assert f"{s['final_train_loss']:.6g}" in cells
     assert md in proc.stdout  # printed at the end of the sweep too
+    # each job starts with "job k of N", and once a job is done an ETA
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("gradsync: sweep:")]
+    assert progress[0] == "gradsync: sweep: job 1 of 3"
+    for k, line in enumerate(progress[1:], start=2):
+        assert re.fullmatch(rf"gradsync: sweep: job {k} of 3 \({k - 1} done in \d+ s, "
+                            r"ETA \d+ s\)", line), line
+    assert len(progress) == 3
 
 
 @pytest.mark.slow
@@ -245,16 +256,18 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
                     env=cli_env)
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync:")]
-    assert len(errors) == 2, proc.stderr
-    assert errors[0] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
+    assert len(errors) == 3, proc.stderr
+    assert errors[0] == (f"gradsync: run dir: {sweep_dir / '1'} (each rank's log and "
+                         "traceback: logs/rank<r>.log)")
+    assert errors[1] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
                          "failure after optimizer step 2 (trainer.fail_at_step, a test aid)")
-    assert errors[1] == ("gradsync: sweep: 1 of 3 jobs failed (job 1); see "
+    assert errors[2] == ("gradsync: sweep: 1 of 3 jobs failed (job 1); see "
                          f"{sweep_dir}/sweep_summary.md")
 
     rows = csv_rows(sweep_dir)
     assert [(r["trainer.fail_at_step"], r["status"]) for r in rows] == \
         [("-1", "completed"), ("2", "failed"), ("100", "completed")]
-    assert rows[1]["error"] == errors[0].removeprefix("gradsync: ")
+    assert rows[1]["error"] == errors[1].removeprefix("gradsync: ")
     assert rows[1]["final_train_loss"] == ""
     s0, failed, s2 = summaries(sweep_dir, 3)
     assert failed == {"status": "failed", "error": rows[1]["error"]}
@@ -285,6 +298,33 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
 
 
 # --- fixed global batch: the same mathematics, three ways -------------------------------------
+@pytest.mark.slow
+def test_ctrl_c_ends_a_sweep_within_5_s_leaving_no_process_and_saying_how_far_it_got(
+        tmp_path, cli_env):
+    """Ctrl-C (SIGINT to the terminal's process group) while the second of two jobs trains:
+    the job checkpoints and stops, and the sweep ends with it, within 5 s, every process gone,
+    the sweep dir let go, a line saying how far it got."""
+    sweep_dir = tmp_path / "sweep"
+    job = Job(sweep_dir / "1", ["-m", f"hydra.sweep.dir={sweep_dir}", "trainer.progress_bar=false",
+                                "data=synthetic", "trainer.max_epochs=1000",
+                                "trainer.max_steps=3,1000000"], cli_env, name_run_dir=False)
+    job.wait_for_step(3)
+    sent = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    code, out, err = job.finish()
+    took = time.monotonic() - sent
+    assert code == 128 + signal.SIGINT and took < 5, (took, err)
+    assert job.seen and job.survivors(wait=0.5) == []
+    assert "gradsync: sweep: job 1 of 2\n" in out
+    assert re.search(r"^gradsync: sweep: job 2 of 2 \(1 done in \d+ s, ETA \d+ s\)$", out, re.M)
+    assert err.strip().splitlines()[-1] == (
+        f"gradsync: sweep interrupted by SIGINT with 1 of 2 jobs completed; their summary: "
+        f"python -m gradsync.run.sweep {sweep_dir}; to go on, run the sweep again with "
+        f"hydra.sweep.dir={sweep_dir} resume=auto")
+    assert not (sweep_dir / sweep.SWEEP_LOCK).exists()
+    assert json.loads((sweep_dir / "1" / "summary.json").read_text())["status"] == "interrupted"
+
+
 @pytest.mark.slow
 def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
     # 464 samples: 232 per rank = 3 full windows of 64 samples, then a short one of 40 that

@@ -13,7 +13,10 @@ B_simple and the window size over training, and the table its final value.
 
 A sweep owns its sweep dir: it holds a lock there from before its first job until its summary is
 written (`claim`), so a second sweep into the same dir is refused at once, before it runs
-anything. Every job it launches records itself in the sweep dir when it starts and again with
+anything. It notes there how many jobs it plans and when it started (`plan`): each job starts
+with a line "job k of N" and, once a job is done, an ETA (`progress_line`). A signal that stops a
+job run in the sweep's own process (Ctrl-C, SIGTERM) ends the whole sweep: its lock goes and a
+line says how far it got and how to go on (`interrupted`). Every job it launches records itself in the sweep dir when it starts and again with
 its outcome when it ends (`job_started`, `job_ended`, in whichever process runs the job): the
 summary has one row per job this sweep launched, so a job refused before it could write into its
 own dir (that dir in use by another job) or lost without an outcome (its process killed) is a
@@ -34,6 +37,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from gradsync.core.progress import progress
 from gradsync.run.rundir import let_go, take
 from gradsync.train.metrics import final_metrics, write_json_atomic
 
@@ -122,6 +127,55 @@ def forget_jobs(sweep_dir: Path) -> None:
     for old in (sweep_dir / JOBS).glob("*.json"):
         old.unlink()
     (sweep_dir / STUDY).unlink(missing_ok=True)
+
+
+PLAN = ".gradsync-sweep.json"  # {"jobs": N or null, "started": epoch seconds}
+
+
+def plan(sweep_dir: Path, jobs: int | None) -> None:
+    """Note the jobs the sweep plans (None: not known in advance) and when it starts."""
+    write_json_atomic(sweep_dir / PLAN, {"jobs": jobs, "started": time.time()})
+
+
+def _plan(sweep_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((sweep_dir / PLAN).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _records(sweep_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in (sweep_dir / JOBS).glob("*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # a record being replaced, or gone
+            continue
+    return out
+
+
+def progress_line(sweep_dir: Path, num: int) -> str:
+    """What job `num` of the sweep starts with: "job k of N (d done in T, ETA E)"."""
+    info = _plan(sweep_dir)
+    done = sum(r["status"] != "started" for r in _records(sweep_dir))
+    elapsed = time.time() - info.get("started", time.time())
+    return f"gradsync: sweep: job {progress(num + 1, info.get('jobs'), done, elapsed)}"
+
+
+def interrupted(signal_name: str) -> list[str]:
+    """A signal stopped a job that runs in the sweep's own process (Hydra's basic launcher):
+    the sweep ends with it. Each sweep dir this process holds is let go; the lines say how far
+    it got and how to go on."""
+    lines = []
+    for sweep_dir in list(_held):
+        release(sweep_dir)
+        done = sum(r["status"] == "completed" for r in _records(sweep_dir))
+        jobs = _plan(sweep_dir).get("jobs")
+        lines.append(f"gradsync: sweep interrupted by {signal_name} with {done} of "
+                     f"{jobs or '?'} jobs completed; their summary: python -m gradsync.run.sweep "
+                     f"{sweep_dir}; to go on, run the sweep again with "
+                     f"hydra.sweep.dir={sweep_dir} resume=auto")
+    return lines
 
 
 # A search's study (run/search.py): storage, study_name, objectives, directions, and
@@ -249,7 +303,7 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     """The jobs this sweep launched, in job order, from their records; for a sweep dir without
     records (written before gradsync kept them), every job dir under it (any
     hydra.sweep.subdir)."""
-    records = [json.loads(p.read_text()) for p in (sweep_dir / JOBS).glob("*.json")]
+    records = _records(sweep_dir)
     if records:
         return sorted((_from_record(sweep_dir, r) for r in records), key=lambda j: j.num)
     dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/hydra.yaml")}
