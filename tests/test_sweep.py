@@ -10,11 +10,11 @@ import os
 import re
 import shutil
 import signal
-import time
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest

@@ -16,11 +16,12 @@ written (`claim`), so a second sweep into the same dir is refused at once, befor
 anything. It notes there how many jobs it plans and when it started (`plan`): each job starts
 with a line "job k of N" and, once a job is done, an ETA (`progress_line`). A signal that stops a
 job run in the sweep's own process (Ctrl-C, SIGTERM) ends the whole sweep: its lock goes and a
-line says how far it got and how to go on (`interrupted`). Every job it launches records itself in the sweep dir when it starts and again with
-its outcome when it ends (`job_started`, `job_ended`, in whichever process runs the job): the
-summary has one row per job this sweep launched, so a job refused before it could write into its
-own dir (that dir in use by another job) or lost without an outcome (its process killed) is a
-failed row, and the sweep exits non-zero naming it.
+line says how far it got and how to go on (`interrupted`). Every job it launches records itself
+in the sweep dir when it starts and again with its outcome when it ends (`job_started`,
+`job_ended`, in whichever process runs the job): the summary has one row per job this sweep
+launched, so a job refused before it could write into its own dir (that dir in use by another
+job) or lost without an outcome (its process killed) is a failed row, and the sweep exits
+non-zero naming it.
 
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
 axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
