@@ -14,13 +14,18 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
+def eta(total: int, done: int, elapsed: float) -> str:
+    """When the units left should be done: the mean time of the `done` ones (elapsed in all)
+    times the units left."""
+    return duration(elapsed / done * max(0, total - done)) if done else "?"
+
+
 def progress(k: int, total: int | None, done: int, elapsed: float) -> str:
     """'k of N (d done in T, ETA E)' for unit k (1-based) of `total` (None: unknown), when
     `done` units took `elapsed` seconds; no ETA before the first unit is done."""
     line = f"{k} of {total}" if total else f"{k}"
     if done and total:
-        left = max(0, total - done)
-        return f"{line} ({done} done in {duration(elapsed)}, ETA {duration(elapsed / done * left)})"
+        return f"{line} ({done} done in {duration(elapsed)}, ETA {eta(total, done, elapsed)})"
     if done:
         return f"{line} ({done} done in {duration(elapsed)})"
     return line
