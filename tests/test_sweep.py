@@ -88,7 +88,7 @@ def test_flat_hparams_and_final_metrics():
          "peak_rss_mb": 300.0, "train_s": 1.0}
     assert final_metrics(s) == {"final_train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.7,
                                 "samples_per_s": 10.0, "sync_backwards": 3,
-                                "allreduce_calls": 6, "allreduce_bytes": 80,
+                                "allreduce_calls": 6, "allreduce_bytes": 80, "sent_bytes": 80,
                                 "peak_rss_mb": 300.0, "train_s": 1.0}
 
 
@@ -146,12 +146,18 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
     common = next(line for line in md.splitlines() if "Common overrides:" in line)
     assert {"experiment=accum_sweep", "data=synthetic", "trainer.max_steps=2"} <= \
         set(common.split("Common overrides: ")[1].rstrip(".").split())
-    assert "Same in every completed job: ranks 2, micro 16, steps 2." in md
+    # what every job shares moves out of the table (accumulate: one all-reduce per step)
+    mb = summaries(sweep_dir, 1)[0]["allreduce_bytes"][0] / 1e6
+    assert ("Same in every completed job: ranks 2, micro 16, steps 2, grad MB held "
+            f"{mb / 2:.2f}, sync backwards/rank 2, MB sent/rank {mb:.2f}.") in md
+    assert "Each job evaluated once, at its end: no to-target columns" in md
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| job | schedule.accum_steps | status | N | global batch |")
+    # N repeats the swept schedule.accum_steps: left out (the CSV has it)
+    assert table[0] == ("| job | schedule.accum_steps | status | global batch | final train loss "
+                        "| eval loss | samples/s | peak MB | wall s |")
     for n, line, s in zip(ACCUM, table[1:], summaries(sweep_dir, 3), strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(n)]
+        assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(2 * 16 * n)]
         assert f"{s['final_train_loss']:.6g}" in cells
     assert md in proc.stdout  # printed at the end of the sweep too
     # each job starts with "job k of N", and once a job is done an ETA
@@ -174,7 +180,7 @@ def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
     jobs = sweep.read_jobs(sweep_dir)
     fig = sweep.plot(jobs, tmp_path / "again.png")
     by_samples, by_bytes, by_seconds = fig.axes
-    for ax, key in ((by_samples, "samples"), (by_bytes, "allreduce_bytes"),
+    for ax, key in ((by_samples, "samples"), (by_bytes, "sent_bytes"),
                     (by_seconds, "train_s")):
         assert len(ax.lines) == 6  # per job: its train loss curve, its eval point(s)
         for j in range(3):
@@ -350,7 +356,7 @@ def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
             torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6)
 
     md = (sweep_dir / "sweep_summary.md").read_text()
-    assert "Same in every completed job: ranks 2, global batch 128, steps 8." in md
+    assert "Same in every completed job: ranks 2, global batch 128, steps 8, grad MB held " in md
     spread = next(line for line in md.splitlines() if line.startswith("Final train loss"))
     relative = float(spread.rsplit("relative ", 1)[1].rstrip(").").strip())
     assert relative < 1e-5

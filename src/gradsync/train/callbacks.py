@@ -178,9 +178,10 @@ def require_finite_parameters(model: torch.nn.Module, step: int) -> None:
 
 
 def _spent(p: Parts, state: Progress) -> dict[str, Any]:
-    """Cumulative all-reduce bytes (this rank's) and loop seconds: the x-axes, besides samples,
-    on which the sweep summary compares runs."""
-    return {"allreduce_bytes": p.counts.allreduce_bytes, "train_s": state.train_s}
+    """Cumulative bytes (this rank's: all-reduce, and every collective) and loop seconds: the
+    x-axes, besides samples, on which the sweep summary compares runs."""
+    return {"allreduce_bytes": p.counts.allreduce_bytes, "sent_bytes": p.counts.sent_bytes,
+            "train_s": state.train_s}
 
 
 def evaluate(p: Parts, state: Progress, log: RunLog) -> None:
