@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import dist_cases
+from conftest import REPO
+from gradsync.run import summary as run_summary
+from gradsync.run import sweep
 from gradsync.run.main import compose_plain
+from gradsync.train.metrics import final_metrics
 
 # sha256 over the sorted parameter names and their bytes (see _digest)
 RECORDED = "98c1f014538a08661a8b564a8a365faf8d80e480837e28b2b7117e18749c421d"
@@ -26,12 +30,32 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 
 @pytest.mark.dist
-def test_the_default_experiment_trains_the_recorded_bits(pool2, tmp_path):
+def test_the_default_experiment_trains_the_recorded_bits(pool2, tmp_path, capsys):
+    """...and regenerates what the docs quote of it: docs/runs.md's end-of-run lines (but the
+    samples/s and wall seconds they measured) and the N = 4 row of docs/sweeps.md's make sweep
+    table (the same run: accum_sweep's N = 4 job is the default experiment)."""
     cfg = compose_plain(["trainer.progress_bar=false", "trainer.backend=gloo"])
     out = pool2.run(dist_cases.train_run, cfg, str(tmp_path))[0]
-    assert out["summary"]["optimizer_steps"] == 360
-    assert out["summary"]["final_train_loss"] == 0.009959691320545971
+    s = out["summary"]
+    assert s["optimizer_steps"] == 360
+    assert s["final_train_loss"] == 0.009959691320545971
     assert _digest(out["params"]) == RECORDED
+
+    runs = (REPO / "docs" / "runs.md").read_text()
+    quoted = runs.split("```\ngradsync: outputs in ", 1)[1].split("```", 1)[0].splitlines()
+    measured = dict(kv.split("=") for kv in quoted[1].split() if kv.split("=")[0] in (
+        "samples/s", "wall_s"))
+    run_summary.report(tmp_path, s | {"samples_per_s": float(measured["samples/s"]),
+                                      "wall_s": float(measured["wall_s"])})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2:4] == quoted[1:3]
+    row = next(line for line in (REPO / "docs" / "sweeps.md").read_text().splitlines()
+               if line.startswith("| 2 | 4 | completed |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    metrics = final_metrics(s)
+    assert cells[4:8] == [sweep._cell("optimizer_steps", 360)] + [
+        sweep._cell(k, metrics[k]) for k in ("final_train_loss", "eval_loss", "eval_accuracy")]
+    assert cells[9] == sweep._cell("sent_bytes", metrics["sent_bytes"])
 
 
 @pytest.mark.dist
@@ -41,8 +65,6 @@ def test_the_default_run_measuring_the_noise_scale_reports_no_inf(pool2, tmp_pat
     and the reason (no inf anywhere), the end-of-run lines a warning and what crossed the
     wire."""
     import json
-
-    from gradsync.run import summary as run_summary
 
     cfg = compose_plain(["trainer.progress_bar=false", "trainer.backend=gloo",
                          "noise_scale.enabled=true"])
