@@ -247,7 +247,7 @@ class NoiseScale:
         self.ema_trace = 0.0
         self.last_batch = math.nan  # units (samples or tokens) of the newest window flushed
         self.pending: list[WindowRecord] = []
-        self.results: dict[int, dict[str, float]] = {}  # window -> its fields, until logged
+        self.results: dict[int, dict[str, float | None]] = {}  # window -> its fields, until logged
         self._units: torch.Tensor | int = 0
         self._small: tuple[torch.Tensor, torch.Tensor | int] | None = None  # 1 rank
 
@@ -330,7 +330,7 @@ class NoiseScale:
         self.pending = []
         return None if carry is None else flat[:n].view_as(carry)
 
-    def _fold(self, row: list[float], big: float) -> dict[str, float]:
+    def _fold(self, row: list[float], big: float) -> dict[str, float | None]:
         small_sum, inv_b_sum, big_batch, measured = row
         w = self.world_size
         self.last_batch = big_batch
@@ -378,7 +378,7 @@ class NoiseScale:
         self.flush()
         return self.estimates()
 
-    def take(self, window: int) -> dict[str, float]:
+    def take(self, window: int) -> dict[str, float | None]:
         """A window's fields for its metrics row (once)."""
         return self.results.pop(window, {})
 
