@@ -41,6 +41,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     trace = getattr(p.engine, "trace", None)  # engine.trace_sync
     averager = p.policy.averager
     a = averager.counters if averager is not None else None  # AveragingCounts: local SGD, DiLoCo
+    memory = p.engine.memory.summary()  # its peak read before the lifetime peak: never above it
     mine: dict[str, Any] = {
             "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
@@ -51,7 +52,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "trace": trace.summary() if trace else None,
             "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
                 "groups": c.sharded_groups},
-            "memory": p.engine.memory.summary(),
+            "memory": memory,
             "compile": p.engine.compiled.report() if p.engine.compiled else None}
     gathered: list[Any] = [None] * p.world_size
     dist.all_gather_object(gathered, mine)
