@@ -52,7 +52,7 @@ bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Acceler
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 	$(BIN)/python bench/startup.py $(STARTUP_ARGS)
 
-race: install ## which policy wins: 6 sync policies on the stdlib corpus (experiment=policy_race)
+race: install ## which policy wins: 7 sync policies on the stdlib corpus (experiment=policy_race)
 	$(BIN)/gradsync-train -m experiment=policy_race $(ARGS)
 
 # Another torch than the lock's: a venv of its own (.venv-torch-<version>, ignored) with that

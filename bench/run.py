@@ -6,8 +6,10 @@ with min-max, ratios to the hand-written loop and to the no-communication bound,
 mean CPU milliseconds per micro-batch (what a loaded machine moves far less), all-reduce
 calls and bytes per optimizer step (measured by a counting comm hook; for the variants that do
 not install one themselves, in a separate untimed run so the hook cannot slow them down), the
-largest worker's peak RSS and the timed epoch's mean loss. Writes bench/results/<date>.md and
-a PNG of samples/s against N.
+largest worker's peak RSS and the timed epoch's mean loss. Writes outputs/bench/<date>.md
+(ignored by git; --out elsewhere), a PNG of samples/s against N and the raw numbers. Says how
+many runs it plans and, after each, "[k/N ETA ...]". Ctrl-C stops it at once: the running pair
+of processes is killed, their scratch dir removed, nothing written.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import argparse
 import importlib
 import os
 import random
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 from gradsync.core.numerics import worker_environment
+from gradsync.core.progress import eta
 
 BENCH = Path(__file__).resolve().parent
+OUT = BENCH.parent / "outputs" / "bench"  # ignored; bench/results/ keeps the runs docs quote
 sys.path.insert(0, str(BENCH))
 
 # name -> (module, function, kwargs); gradsync's variants count their own traffic
@@ -103,10 +111,13 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, module: str, fn: str, kwargs: dict, accum: int,
-           count: bool, out) -> None:
+           count: bool, out, scratch: str) -> None:
+    # Ctrl-C reaches the whole process group: the harness alone decides (it kills the pair)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tempfile.tempdir = scratch  # the run's temporary files: the harness removes the dir
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TMPDIR=scratch)
     sys.path.insert(0, str(BENCH))
     try:
         hook = importlib.import_module("counting").install if count else None
@@ -124,24 +135,35 @@ def run_variant(name: str, accum: int, count: bool = False, timeout: float = 600
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, module, fn, kwargs, accum, count, out))
+    scratch = tempfile.mkdtemp(prefix="gradsync-bench-")
+    procs = [ctx.Process(target=_entry, args=(r, 2, port, module, fn, kwargs, accum, count, out,
+                                              scratch))
              for r in range(2)]
     # portable bits: the pins in the ranks' environment before they import torch, as the
     # launcher sets them (run/launch.py)
     portable = "trainer.bits=portable" in kwargs.get("overrides", ())
-    with worker_environment("portable" if portable else "native"):
-        for p in procs:
-            p.start()
     results = {}
     try:
+        with worker_environment("portable" if portable else "native"):
+            for p in procs:
+                p.start()
         for _ in procs:
             rank, res = out.get(timeout=timeout)
             results[rank] = res
+    except BaseException:  # Ctrl-C, a timeout: no rank is left behind
+        for p in procs:
+            if p.pid is not None:
+                p.kill()
+        raise
     finally:
         for p in procs:
+            if p.pid is None:
+                continue
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
+        shutil.rmtree(scratch, ignore_errors=True)
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         raise RuntimeError(f"{name} N={accum}: {errors[0]}")
@@ -156,7 +178,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", default="1,4,8", help="accumulation steps to compare")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=str(BENCH / "results"))
+    ap.add_argument("--out", default=str(OUT), help="where the table, plot and numbers go "
+                    "(default outputs/bench, ignored by git)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the interleaving order")
     ap.add_argument("--samples", type=int, help="the workload's data set size (default 8192); "
                     "a smaller one only to test the harness")
@@ -173,24 +196,42 @@ def main() -> None:
     ns = [int(n) for n in args.n.split(",")]
     names = args.variants.split(",")
     rng = random.Random(args.seed)
+    counted = [name for name in names if name not in SELF_COUNTING and name != "nocomm"]
+    total = args.rounds * len(ns) * len(names) + len(ns) * len(counted)
+    print(f"bench: {total} runs ({args.rounds} rounds x {len(ns)} N x {len(names)} variants, "
+          f"+ {len(ns) * len(counted)} untimed traffic counts); results to {args.out}; Ctrl-C "
+          "stops it", flush=True)
+    started, done = time.monotonic(), 0
+
+    def step() -> str:
+        nonlocal done
+        done += 1
+        return f"[{done}/{total} ETA {eta(total, done, time.monotonic() - started)}]"
+
     runs: dict[tuple[str, int], list[dict]] = {}
-    for rnd in range(args.rounds):
-        for n in ns:
-            order = names[:]
-            rng.shuffle(order)
-            for name in order:
-                res = run_variant(name, n)
-                runs.setdefault((name, n), []).append(res)
-                print(f"round {rnd + 1} N={n} {name:22s} {res['samples_per_s']:8.0f} samples/s"
-                      f"  loss {res['epoch_loss']:.6f}  rss {res['peak_rss_mb']:.0f} MB",
-                      flush=True)
     traffic = {}
-    for n in ns:
-        for name in names:
-            if name in SELF_COUNTING:
-                traffic[(name, n)] = runs[(name, n)][0]
-            elif name != "nocomm":
-                traffic[(name, n)] = run_variant(name, n, count=True)
+    try:
+        for rnd in range(args.rounds):
+            for n in ns:
+                order = names[:]
+                rng.shuffle(order)
+                for name in order:
+                    res = run_variant(name, n)
+                    runs.setdefault((name, n), []).append(res)
+                    print(f"{step()} round {rnd + 1} N={n} {name:22s} "
+                          f"{res['samples_per_s']:8.0f} samples/s  loss {res['epoch_loss']:.6f}"
+                          f"  rss {res['peak_rss_mb']:.0f} MB", flush=True)
+        for n in ns:
+            for name in names:
+                if name in SELF_COUNTING:
+                    traffic[(name, n)] = runs[(name, n)][0]
+                elif name != "nocomm":
+                    traffic[(name, n)] = run_variant(name, n, count=True)
+                    print(f"{step()} traffic N={n} {name}", flush=True)
+    except KeyboardInterrupt:
+        print(f"bench: interrupted after {done} of {total} runs; nothing written",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     import report
 
     path = report.save(Path(args.out), runs, traffic, ns, names, args.rounds)

@@ -1,8 +1,9 @@
 """How fast a job starts: the default experiment for one optimizer step, from the command to its
 first optimizer step (the moment metrics.jsonl gets its first row: a 1-step run writes it right
 after the step) and to its exit. Variants are interleaved, round after round, so a machine whose
-load drifts affects each alike; the table (bench/results/<date>_startup.md) gives the median
-and the range.
+load drifts affects each alike; the table (outputs/bench/<date>_startup.md, ignored by git)
+gives the median and the range. Each run prints "[k/N ETA ...]"; Ctrl-C stops it within about a
+second (the job running stops itself), nothing written.
 
     python bench/startup.py [--rounds 5] [--variant LABEL=KEY=VALUE,...]
 
@@ -18,12 +19,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gradsync.core.progress import eta
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = ["-m", "gradsync.run.main", "trainer.max_steps=1", "trainer.progress_bar=false"]
@@ -59,10 +63,18 @@ def one_run(env_extra: dict[str, str] | None, timeout: float = 300) -> tuple[flo
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=tmp)
         first = None
-        while proc.poll() is None and time.perf_counter() - start < timeout:
-            if first is None and rows.exists() and rows.stat().st_size > 0:
-                first = time.perf_counter() - start
-            time.sleep(0.01)
+        try:
+            while proc.poll() is None and time.perf_counter() - start < timeout:
+                if first is None and rows.exists() and rows.stat().st_size > 0:
+                    first = time.perf_counter() - start
+                time.sleep(0.01)
+        except BaseException:  # Ctrl-C (the job got it too: it stops itself), then the dir goes
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
         if proc.poll() is None:
             proc.kill()
         _, err = proc.communicate()
@@ -74,12 +86,15 @@ def one_run(env_extra: dict[str, str] | None, timeout: float = 300) -> tuple[flo
 
 def measure(variants: dict[str, dict[str, str] | None], rounds: int) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {name: [] for name in variants}
+    total, started = rounds * len(variants), time.monotonic()
     for rnd in range(rounds):
         order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
         for name in order:
             first, end = one_run(variants[name])
             out[name].append((first, end))
-            print(f"startup round {rnd + 1} {name:28s} first step {first:6.2f} s  "
+            done = sum(map(len, out.values()))
+            print(f"[{done}/{total} ETA {eta(total, done, time.monotonic() - started)}] "
+                  f"startup round {rnd + 1} {name:28s} first step {first:6.2f} s  "
                   f"exit {end:6.2f} s", flush=True)
     return out
 
@@ -117,11 +132,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL=KEY=VALUE,...: a variant's extra environment (repeatable)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"),
-                    help="writes <date>_startup.md here")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "bench"),
+                    help="writes <date>_startup.md here (default outputs/bench, ignored by git)")
     args = ap.parse_args()
     variants = parse_variants(args.variant) if args.variant else DEFAULT_VARIANTS
-    text = markdown(measure(variants, args.rounds))
+    try:
+        results = measure(variants, args.rounds)
+    except KeyboardInterrupt:
+        print("startup: interrupted; nothing written", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+    text = markdown(results)
     path = Path(args.out) / f"{dt.datetime.now():%Y-%m-%d_%H%M%S}_startup.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

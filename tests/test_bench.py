@@ -5,6 +5,7 @@ numbers, and the variants it compares train the same model."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,11 @@ def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
          "--samples", "1024", "--variants", VARIANTS, "--out", str(tmp_path)],
         env=cli_environ(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    # 3 timed runs and hand-written's untimed traffic count, each "[k/4 ETA ...]"
+    assert done.stdout.startswith("bench: 4 runs (1 rounds x 1 N x 3 variants, + 1 untimed ")
+    steps = [line.split("]")[0] for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [s.split(" ETA ")[0] for s in steps] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert steps[-1] == "[4/4 ETA 0 s"
     md, png, raw = (sorted(tmp_path.glob(f"*.{ext}")) for ext in ("md", "png", "json"))
     assert len(md) == len(png) == len(raw) == 1 and png[0].stat().st_size > 10_000
     runs = {k: v[0] for k, v in json.loads(raw[0].read_text())["runs"].items()}
@@ -50,6 +56,60 @@ def test_one_round_of_the_bench_writes_its_table_plot_and_numbers(tmp_path):
     assert "CPU ms / micro-batch |" in table
     assert "| 8 | gradsync accumulate / no-comm bound, in CPU ms per micro-batch |" in table
     assert "| handwritten | " in table and "| 1.000 | " in table
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_bench_within_5_s_leaving_no_process_and_nothing_written(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while the first of 5 runs' ranks start
+    and train: the harness kills the pair, removes their scratch dir and ends, exit 130, within
+    5 s; no process is left, nothing is written (its "k of N" lines: the test above)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--rounds", "2", "--n", "8",
+         "--samples", "1024", "--variants", "handwritten,gradsync accumulate", "--out", str(out)],
+        env={**cli_environ(), "TMPDIR": str(scratch)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    seen: dict[int, float] = {}
+
+    def is_rank(pid: int) -> bool:
+        try:
+            return "spawn_main" in " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            return False
+
+    ranks_up, end = None, time.monotonic() + 300
+    while ranks_up is None or time.monotonic() < ranks_up + 4:  # importing torch, training
+        assert proc.poll() is None and time.monotonic() < end, lines
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault(child.pid, child.create_time())
+        if ranks_up is None and sum(map(is_rank, seen)) >= 2:
+            ranks_up = time.monotonic()
+        time.sleep(0.05)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - sent
+    err = proc.stderr.read()
+    assert code == 128 + signal.SIGINT and took < 5, (took, err)
+    assert lines[0].startswith("bench: 5 runs") and len(seen) >= 3  # 2 ranks and more
+    assert re.match(r"bench: interrupted after [01] of 5 runs; nothing written$",
+                    err.strip().splitlines()[-1]), err
+    alive = [pid for pid, created in seen.items() if psutil.pid_exists(pid)
+             and psutil.Process(pid).create_time() == created
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [] and not out.exists()
+    assert list(scratch.iterdir()) == []  # the runs' temporary files too
 
 
 def test_the_model_averaging_rows_run_their_policy_every_8_windows():

@@ -2,8 +2,9 @@
 file (and heading) that exists; every `src/`, `conf/`, `tests/`, `bench/`, `examples/`, `docs/`
 and `.ci/` path they name exists; docs/architecture.md's layout names every module of
 src/gradsync/ and bench/, and only modules that exist; docs/configuration.md's table names every
-group of conf/ and its options; README.md stays a front door (at most 120 lines). Reads files
-only: no process."""
+group of conf/ and its options; README.md stays a front door (at most 120 lines); every number
+a page quotes from a command is marked as measured on a named date or checked by a named test
+(`quote_problems`). Reads files only: no process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,83 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
 
 def doc_files(repo: Path = REPO) -> list[Path]:
     return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+# --- numbers quoted from commands ----------------------------------------------------------------
+# A quote: a table, an output block (a fence without a language) or a paragraph holding at least
+# QUOTE_NUMBERS measured-looking numbers (3 significant digits or more: 0.0714, 12.6, 7,134).
+# Each must be marked, in its section (from its heading down to it), as measured on a named
+# date (any YYYY-MM-DD: "measured 2026-12-06", a bench/results/<date> file), checked by a test
+# (<!-- checked by tests/<file>.py::<test> -->: the test exists and reads this page, so it
+# regenerates what the page quotes), or as no measurement (<!-- not measured: <why> -->:
+# versions, sizes that follow from a config). A number that drifts is then either caught by
+# its test or dated, never silently current.
+QUOTE_NUMBERS = 3
+NUMBER = re.compile(r"(?<![\w.\-/])(\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+)(?![\w.]*\d)")
+DATED = re.compile(r"\d{4}-\d{2}-\d{2}|<!-- not measured: [^>]+ -->")
+CHECKED = re.compile(r"<!-- checked by (tests/[\w/]+\.py)::(\w+) -->")
+
+
+def measured_numbers(text: str) -> list[str]:
+    return [n for n in NUMBER.findall(text)
+            if len(n.replace(",", "").replace(".", "").lstrip("0")) >= 3]
+
+
+def quotes(text: str) -> list[tuple[int, list[str], list[str]]]:
+    """(line, the quote's lines, its section's lines up to and including it: its own heading's
+    and those of the headings above it) of every quote."""
+    lines, out, i = text.splitlines(), [], 0
+    stack: list[tuple[int, list[str]]] = [(0, [])]  # (heading level, its lines so far)
+    while i < len(lines):
+        line, j = lines[i], i + 1
+        if line.startswith(("```", "~~~")):
+            while j < len(lines) and not lines[j].startswith(line[:3]):
+                j += 1
+            unit = lines[i + 1:j] if not line[3:].strip() or line[3:].strip() == "text" else []
+            j += 1
+        elif line.startswith("|"):
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            unit = lines[i:j]
+        elif m := HEADING.match(line):
+            level = len(m.group(1))
+            while stack and stack[-1][0] >= level:
+                stack.pop()
+            stack.append((level, [line]))
+            i = j
+            continue
+        elif not line.strip():
+            i = j
+            continue
+        else:
+            while j < len(lines) and lines[j].strip() and not lines[j].startswith(("```", "|")):
+                j += 1
+            unit = lines[i:j]
+        stack[-1][1].extend(lines[i:j])
+        if len(measured_numbers("\n".join(unit))) >= QUOTE_NUMBERS:
+            # a page's title section dates only what stands in it, not the whole page
+            out.append((i + 1, unit, [x for level, part in stack
+                                      if level > 1 or part is stack[-1][1] for x in part]))
+        i = j
+    return out
+
+
+def quote_problems(md: Path, repo: Path = REPO) -> tuple[list[str], int]:
+    """(the quotes of md neither dated nor checked, how many quotes it holds); a checker that
+    is not a test of a file that reads this page is a problem too."""
+    bad, name = [], md.relative_to(repo).as_posix()
+    found = quotes(md.read_text())
+    for line, _, section in found:
+        scope = "\n".join(section)
+        checks = CHECKED.findall(scope)
+        for file, test in checks:
+            source = repo / file
+            text = source.read_text() if source.is_file() else ""
+            if f"def {test}(" not in text or md.name not in text:
+                bad.append(f"{name}:{line}: {file}::{test} is no test reading {md.name}")
+        if not checks and not DATED.search(scope):
+            bad.append(f"{name}:{line}: numbers quoted without a date or a checking test")
+    return bad, len(found)
 
 
 def slug(heading: str) -> str:
@@ -144,6 +222,37 @@ def test_the_architecture_layout_names_every_module_that_exists():
     bad, named = layout_problems()
     assert bad == []
     assert named >= 60
+
+
+def test_every_number_quoted_from_a_command_is_dated_or_checked():
+    found: list[str] = []
+    quoted = 0
+    for md in [*doc_files(), *sorted((REPO / "examples").glob("*/README.md"))]:
+        bad, n = quote_problems(md)
+        found += bad
+        quoted += n
+    assert found == []
+    assert quoted >= 40  # the checker saw the docs' tables and numbers, not an empty set
+
+
+def test_an_undated_or_unchecked_quote_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_reads(): open('docs/a.md')\n")
+    md = tmp_path / "docs" / "a.md"
+    md.write_text("# A\n\nIt ended at 0.0714, 0.0749 and 7,134 samples/s.\n\n"
+                  "## Dated (measured 2026-12-06)\n\n| N | loss |\n|---|---|\n"
+                  "| 1 | 0.0714 |\n| 2 | 0.0707 |\n| 4 | 0.0828 |\n\n"
+                  "## Checked\n\n<!-- checked by tests/test_a.py::test_reads -->\n\n```\n"
+                  "steps=360 loss=0.0100 eval=0.0828 acc=0.9749\n```\n\n"
+                  "## Checked by nothing\n\n<!-- checked by tests/test_a.py::test_gone -->\n"
+                  "0.123 0.456 0.789\n\n"
+                  "## Versions\n\ntorch 2.11, 2.13 and 2.14 <!-- not measured: versions -->\n"
+                  "\nA config's 0.95, 1e-3 and 100 are no measurement.\n")
+    bad, n = quote_problems(md, tmp_path)
+    assert n == 5
+    assert bad == ["docs/a.md:3: numbers quoted without a date or a checking test",
+                   "docs/a.md:23: tests/test_a.py::test_gone is no test reading a.md"]
 
 
 def test_readme_is_a_front_door():

@@ -118,6 +118,8 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
     ended_in = time.monotonic() - failed_at
     assert code == 1, err
     line = err.strip().splitlines()[-1]
+    assert err.strip().splitlines()[-2] == (f"gradsync: run dir: {run_dir} (each rank's log and "
+                                            "traceback: logs/rank<r>.log)")
     if how == "raises":
         assert line == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
                         "failure after optimizer step 12 (trainer.fail_at_step, a test aid)")

@@ -168,7 +168,8 @@ def test_two_ranks_on_one_gpu_stop_in_one_line_not_in_nccl(tmp_path, cli_env, sr
         assert codes == [1, 1], errs
         said = "gradsync: training failed: "
     for e in errs:
-        lines = [ln for ln in e.splitlines() if ln.startswith("gradsync: ")]
+        lines = [ln for ln in e.splitlines()
+                 if ln.startswith("gradsync: ") and not ln.startswith("gradsync: run dir: ")]
         assert len(lines) == 1 and lines[0].startswith(said), e
         assert srun == ("were both placed on one GPU" in lines[0]), e
 

@@ -161,7 +161,7 @@ def rows_with_noise(rows: list[dict]) -> list[tuple]:
     """Every row's loss, LR, window size, gain and noise-scale fields, floats as hex."""
     keys = ("accum_steps", "lr_factor", "grad_sq_small", "grad_sq_big", "noise_scale",
             "grad_norm_sq", "grad_trace_cov")
-    return [(*loss, *(float(r[k]).hex() if k in r else None for k in keys))
+    return [(*loss, *(float(r[k]).hex() if r.get(k) is not None else None for k in keys))
             for loss, r in zip(losses(rows), rows, strict=True)]
 
 
@@ -189,7 +189,11 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
         assert min(1, scale) - 1e-12 <= row["lr_factor"] <= max(1, scale) + 1e-12
         assert row["lr"] > 0
         if row["step"] % 2 == 0:
-            n = schedule.target(row["noise_scale"]) or n
+            b = row["noise_scale"]
+            if b is None:  # no value to report (noise_scale.undefined): the ratio acted on
+                g, t = row["grad_norm_sq"], row["grad_trace_cov"]
+                b = t / g if g > 0 else (math.inf if t > 0 else math.nan)
+            n = schedule.target(b) or n
             used.add(n)
     assert len(used) >= 2 and s["accum_steps"] == sorted(used)
     assert r1["summary"]["accum_steps"] == s["accum_steps"]  # rank 1 decided alike
@@ -203,9 +207,11 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
                 "noise/grad_sq_small", "noise/grad_sq_big", "train/lr_factor", "train/lr",
                 "train/accum_steps"):
         assert tag in tags, tag
-    # at every log point (and every checkpoint's flush): the row of that window
+    # at every log point (and every checkpoint's flush): the row of that window, where
+    # B_simple has a value (None: noise_scale.undefined)
     logged = {e.step: e.value for e in acc.Scalars("noise/noise_scale")}
-    assert set(logged) >= set(range(3, len(rows) + 1, 3))
+    valued = {w for w in range(3, len(rows) + 1, 3) if rows[w - 1]["noise_scale"] is not None}
+    assert set(logged) >= valued and len(valued) >= 2
     assert logged == pytest.approx({w: rows[w - 1]["noise_scale"] for w in logged})
     assert s["noise_scale"] == rows[-1]["noise_scale"]
     assert s["grad_norm_sq"] == rows[-1]["grad_norm_sq"]
@@ -256,6 +262,30 @@ def test_the_estimator_folds_rows_into_ratio_of_averages():
     # a window one rank did not measure (or with inf) changes nothing
     assert meter._fold([4.0, 0.25, 10.0, 1.0], 100.0) == meter.estimates()
     assert meter.windows == 2
+
+
+def test_an_estimate_without_a_positive_value_is_reported_as_none_with_the_reason():
+    """Once |G|^2's average is negative (the gradient lost in its noise) B_simple has no value:
+    rows and summary.json say None and why, never inf; the schedule and AdaScale still act on
+    the ratio (inf: the largest window, the full gain)."""
+    meter = NoiseScale(2, torch.device("cpu"), "samples", 0.5, [])
+    assert meter.summary()["noise_scale"] is None
+    assert "no window was measured" in meter.summary()["noise_scale_note"]
+    # b = 4, B = 8; |G_b|^2 = 1, |G_B|^2 = 0.4: |G|^2 = (8 x 0.4 - 4 x 1) / 4 = -0.2
+    row = meter._fold([2.0, 0.5, 8.0, 2.0], 0.4 * 64)
+    assert row["grad_norm_sq"] == pytest.approx(-0.2) and row["noise_scale"] is None
+    assert meter.estimates()["noise_scale"] == math.inf
+    s = meter.summary()
+    assert s["noise_scale"] is None and s["grad_norm_sq"] == pytest.approx(-0.2)
+    assert s["noise_scale_note"].startswith("the average |G|^2 estimate is -0.2 (not positive)")
+    # |G_b|^2 = 0.5 < |G_B|^2 = 0.6: tr(Sigma) = -0.1 / (1/4 - 1/8) = -0.8, B_simple negative
+    meter = NoiseScale(2, torch.device("cpu"), "samples", 0.5, [])
+    assert meter._fold([1.0, 0.5, 8.0, 2.0], 0.6 * 64)["noise_scale"] is None
+    assert "tr(Sigma) estimate is -0.8 (not positive)" in meter.summary()["noise_scale_note"]
+    # |G_b|^2 = 1, |G_B|^2 = 0.8: |G|^2 0.6, tr(Sigma) 1.6; the averages 0.63, 0.8: a value
+    assert meter._fold([2.0, 0.5, 8.0, 2.0], 0.8 * 64)["noise_scale"] == pytest.approx(0.8 / (
+        (0.25 * 0.7 + 0.5 * 0.6) / 0.75))
+    assert "noise_scale_note" not in meter.summary()
 
 
 def test_adaptive_target_and_adascale_gain():

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
+from conftest import REPO
 from gradsync.components import ConfigError, describe
 from gradsync.config.hydra import to_plain
 from gradsync.data import corpus
@@ -161,7 +162,7 @@ def test_default_target_is_the_worst_final_eval_loss_and_every_completed_job_rea
     md = (hand_sweep / "sweep_summary.md").read_text()
     assert "Target eval loss 3.2 (the worst final eval loss among completed jobs)" in md
     header = next(line for line in md.splitlines() if line.startswith("| job"))
-    assert "| samples to target | all-reduce MB to target | train s to target |" in header
+    assert "| samples to target | MB sent to target | train s to target |" in header
     row0 = next(line for line in md.splitlines() if line.startswith("| 0 |"))
     assert "| 147 | 0.00 | 2.6 |" in row0
 
@@ -187,7 +188,8 @@ def test_sweep_png_has_loss_against_samples_bytes_and_seconds(hand_sweep, tmp_pa
     jobs = sweep.read_jobs(hand_sweep)
     fig = sweep.plot(jobs, tmp_path / "race.png", target=3.2)
     ax_samples, ax_bytes, ax_seconds = fig.axes
-    assert ax_bytes.get_xscale() == "log" and ax_samples.get_xscale() == "linear"
+    # job 3 failed before it sent a byte: symlog from 0 keeps its curve on the plot
+    assert ax_bytes.get_xscale() == "symlog" and ax_samples.get_xscale() == "linear"
     for ax, axis in ((ax_samples, 0), (ax_bytes, 1), (ax_seconds, 2)):
         evals = [line for line in ax.lines if line.get_marker() == "o"]
         assert len(evals) == 4  # one eval curve per job
@@ -199,12 +201,45 @@ def test_sweep_png_has_loss_against_samples_bytes_and_seconds(hand_sweep, tmp_pa
             == [3.2]
     labels = [t.get_text() for t in ax_samples.get_legend().get_texts()]
     assert labels == ["+experiment/race=always", "+experiment/race=accumulate",
-                      "+experiment/race=local_sgd_h8", "+experiment/race=diloco_h16 (failed)"]
+                      "+experiment/race=local_sgd_h8", "+experiment/race=diloco_h16 (failed)",
+                      "target 3.2"]
     assert (tmp_path / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- the race preset ---------------------------------------------------------------------------
 RACE_DIR = Path(CONF_DIR) / "experiment" / "race"
+
+
+def test_the_plot_shows_every_curve_whole_and_a_job_that_sent_nothing(tmp_path):
+    """A job of one rank sends no byte: on a log axis it would vanish, so the bytes panel turns
+    symlog from 0 and its curve is there; no panel clips a curve (the first steps' losses far
+    above the final evaluations included), and the target is a line."""
+    write_job(tmp_path, 0, "accumulate", [(64, 250, 0.5, 2.9), (128, 500, 1.0, 2.8)],
+              [(8, 30, 0.1, 9.0), (64, 250, 0.5, 3.1), (128, 500, 1.0, 2.9)], 2.8)
+    write_job(tmp_path, 1, "always", [(64, 0, 0.5, 3.0), (128, 0, 1.0, 2.85)],
+              [(8, 0, 0.1, 9.5), (128, 0, 1.0, 2.95)], 2.85)
+    fig = sweep.plot(sweep.read_jobs(tmp_path), tmp_path / "p.png", target=2.85)
+    ax_samples, ax_bytes, _ = fig.axes
+    assert ax_bytes.get_xscale() == "symlog" and ax_bytes.get_xlim()[0] == 0
+    silent = [line for line in ax_bytes.lines if list(line.get_xdata()) == [0, 0]]
+    assert len(silent) == 2  # job 1's train and eval curves, at 0 bytes
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        assert low <= 2.8 and high >= 9.5  # every loss inside the panel
+        assert [line.get_ydata()[0] for line in ax.lines if line.get_linestyle() == "--"] \
+            == [2.85]
+
+
+def test_the_readme_and_make_help_count_the_race_contestants():
+    """README's tour and `make help` say how many policies race: the sweep's contestants."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=policy_race"],
+                      return_hydra_config=True)
+    n = len(cfg.hydra.sweeper.params["+experiment/race"].split(","))
+    word = ["Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten"][n - 2]
+    readme = (REPO / "README.md").read_text()
+    assert f"Which policy wins? {word} policies" in readme
+    assert f"which policy wins: {n} sync policies" in (REPO / "Makefile").read_text()
 
 
 def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():

@@ -169,6 +169,28 @@ def test_the_same_config_twice_gives_the_same_bits(references, pool2, tmp_path, 
     assert losses(other["rows"]) != losses(first.rows)
 
 
+def test_a_finished_run_trained_longer_uses_the_lr_of_a_fresh_run_of_that_length(
+        references, pool2, tmp_path):
+    """docs/reproducibility.md: a finished 2-epoch run (cosine, min ratio 0: its schedule ends
+    at LR 0) resumed with trainer.max_epochs doubled re-plans its schedule: every new step's LR
+    is, bit for bit, the one the uninterrupted 4-epoch run used at that step, none of them 0."""
+    long = references.get(EXACT_RUNS["fp32"])
+    short_args = [a for a in EXACT if not a.startswith("trainer.max_epochs=")]
+    short, _ = pool2.run(dist_cases.train_run_rows,
+                         plain_cfg([*short_args, "trainer.max_epochs=2"]), str(tmp_path / "a"))
+    end = checkpoint.step_path(tmp_path / "a" / "checkpoints", 2 * STEPS_PER_EPOCH)
+    assert short["summary"]["optimizer_steps"] == 2 * STEPS_PER_EPOCH
+    assert checkpoint.load(end)["optimizer"]["param_groups"][0]["lr"] == 0.0  # the trap
+    longer, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*EXACT, f"resume={end}"]),
+                          str(tmp_path / "b"))
+    new = [(r["step"], r["lr"]) for r in longer["rows"]]
+    assert [s for s, _ in new] == list(range(2 * STEPS_PER_EPOCH + 1, 4 * STEPS_PER_EPOCH + 1))
+    fresh = {r["step"]: r["lr"] for r in long.rows}
+    assert [lr.hex() for _, lr in new] == [fresh[s].hex() for s, _ in new]
+    assert all(lr > 0 for _, lr in new) and new[0][1] > new[-1][1]
+    assert longer["summary"]["optimizer_steps"] == 4 * STEPS_PER_EPOCH
+
+
 @pytest.mark.slow
 def test_an_incompatible_resume_is_refused_and_the_run_left_untouched(
         references, tmp_path, cli_env):

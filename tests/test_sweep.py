@@ -7,11 +7,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from cli_jobs import Job
 from gradsync.config.hydra import to_plain
 from gradsync.config.schema import RunConfig
 from gradsync.run import rundir, sweep
@@ -84,7 +88,7 @@ def test_flat_hparams_and_final_metrics():
          "peak_rss_mb": 300.0, "train_s": 1.0}
     assert final_metrics(s) == {"final_train_loss": 0.5, "eval_accuracy": 0.9, "eval_loss": 0.7,
                                 "samples_per_s": 10.0, "sync_backwards": 3,
-                                "allreduce_calls": 6, "allreduce_bytes": 80,
+                                "allreduce_calls": 6, "allreduce_bytes": 80, "sent_bytes": 80,
                                 "peak_rss_mb": 300.0, "train_s": 1.0}
 
 
@@ -142,14 +146,27 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
     common = next(line for line in md.splitlines() if "Common overrides:" in line)
     assert {"experiment=accum_sweep", "data=synthetic", "trainer.max_steps=2"} <= \
         set(common.split("Common overrides: ")[1].rstrip(".").split())
-    assert "Same in every completed job: ranks 2, micro 16, steps 2." in md
+    # what every job shares moves out of the table (accumulate: one all-reduce per step)
+    mb = summaries(sweep_dir, 1)[0]["allreduce_bytes"][0] / 1e6
+    assert ("Same in every completed job: ranks 2, micro 16, steps 2, grad MB held "
+            f"{mb / 2:.2f}, sync backwards/rank 2, MB sent/rank {mb:.2f}.") in md
+    assert "Each job evaluated once, at its end: no to-target columns" in md
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| job | schedule.accum_steps | status | N | global batch |")
+    # N repeats the swept schedule.accum_steps: left out (the CSV has it)
+    assert table[0] == ("| job | schedule.accum_steps | status | global batch | final train loss "
+                        "| eval loss | samples/s | peak MB | wall s |")
     for n, line, s in zip(ACCUM, table[1:], summaries(sweep_dir, 3), strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(n)]
+        assert cells[:4] == [str(ACCUM.index(n)), str(n), "completed", str(2 * 16 * n)]
         assert f"{s['final_train_loss']:.6g}" in cells
     assert md in proc.stdout  # printed at the end of the sweep too
+    # each job starts with "job k of N", and once a job is done an ETA
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("gradsync: sweep:")]
+    assert progress[0] == "gradsync: sweep: job 1 of 3"
+    for k, line in enumerate(progress[1:], start=2):
+        assert re.fullmatch(rf"gradsync: sweep: job {k} of 3 \({k - 1} done in \d+ s, "
+                            r"ETA \d+ s\)", line), line
+    assert len(progress) == 3
 
 
 @pytest.mark.slow
@@ -163,7 +180,7 @@ def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
     jobs = sweep.read_jobs(sweep_dir)
     fig = sweep.plot(jobs, tmp_path / "again.png")
     by_samples, by_bytes, by_seconds = fig.axes
-    for ax, key in ((by_samples, "samples"), (by_bytes, "allreduce_bytes"),
+    for ax, key in ((by_samples, "samples"), (by_bytes, "sent_bytes"),
                     (by_seconds, "train_s")):
         assert len(ax.lines) == 6  # per job: its train loss curve, its eval point(s)
         for j in range(3):
@@ -245,16 +262,18 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
                     env=cli_env)
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync:")]
-    assert len(errors) == 2, proc.stderr
-    assert errors[0] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
+    assert len(errors) == 3, proc.stderr
+    assert errors[0] == (f"gradsync: run dir: {sweep_dir / '1'} (each rank's log and "
+                         "traceback: logs/rank<r>.log)")
+    assert errors[1] == ("gradsync: training failed: rank 1 failed: RuntimeError: injected "
                          "failure after optimizer step 2 (trainer.fail_at_step, a test aid)")
-    assert errors[1] == ("gradsync: sweep: 1 of 3 jobs failed (job 1); see "
+    assert errors[2] == ("gradsync: sweep: 1 of 3 jobs failed (job 1); see "
                          f"{sweep_dir}/sweep_summary.md")
 
     rows = csv_rows(sweep_dir)
     assert [(r["trainer.fail_at_step"], r["status"]) for r in rows] == \
         [("-1", "completed"), ("2", "failed"), ("100", "completed")]
-    assert rows[1]["error"] == errors[0].removeprefix("gradsync: ")
+    assert rows[1]["error"] == errors[1].removeprefix("gradsync: ")
     assert rows[1]["final_train_loss"] == ""
     s0, failed, s2 = summaries(sweep_dir, 3)
     assert failed == {"status": "failed", "error": rows[1]["error"]}
@@ -286,6 +305,33 @@ def test_failed_job_gets_a_failed_row_while_joblib_runs_the_others_in_parallel(t
 
 # --- fixed global batch: the same mathematics, three ways -------------------------------------
 @pytest.mark.slow
+def test_ctrl_c_ends_a_sweep_within_5_s_leaving_no_process_and_saying_how_far_it_got(
+        tmp_path, cli_env):
+    """Ctrl-C (SIGINT to the terminal's process group) while the second of two jobs trains:
+    the job checkpoints and stops, and the sweep ends with it, within 5 s, every process gone,
+    the sweep dir let go, a line saying how far it got."""
+    sweep_dir = tmp_path / "sweep"
+    job = Job(sweep_dir / "1", ["-m", f"hydra.sweep.dir={sweep_dir}", "trainer.progress_bar=false",
+                                "data=synthetic", "trainer.max_epochs=1000",
+                                "trainer.max_steps=3,1000000"], cli_env, name_run_dir=False)
+    job.wait_for_step(3)
+    sent = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    code, out, err = job.finish()
+    took = time.monotonic() - sent
+    assert code == 128 + signal.SIGINT and took < 5, (took, err)
+    assert job.seen and job.survivors(wait=0.5) == []
+    assert "gradsync: sweep: job 1 of 2\n" in out
+    assert re.search(r"^gradsync: sweep: job 2 of 2 \(1 done in \d+ s, ETA \d+ s\)$", out, re.M)
+    assert err.strip().splitlines()[-1] == (
+        f"gradsync: sweep interrupted by SIGINT with 1 of 2 jobs completed; their summary: "
+        f"python -m gradsync.run.sweep {sweep_dir}; to go on, run the sweep again with "
+        f"hydra.sweep.dir={sweep_dir} resume=auto")
+    assert not (sweep_dir / sweep.SWEEP_LOCK).exists()
+    assert json.loads((sweep_dir / "1" / "summary.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.slow
 def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
     # 464 samples: 232 per rank = 3 full windows of 64 samples, then a short one of 40 that
     # holds 16+16+8 (N=4), 32+8 (N=2) or 40 (N=1) samples: normalising per sample makes them
@@ -310,7 +356,7 @@ def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
             torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6)
 
     md = (sweep_dir / "sweep_summary.md").read_text()
-    assert "Same in every completed job: ranks 2, global batch 128, steps 8." in md
+    assert "Same in every completed job: ranks 2, global batch 128, steps 8, grad MB held " in md
     spread = next(line for line in md.splitlines() if line.startswith("Final train loss"))
     relative = float(spread.rsplit("relative ", 1)[1].rstrip(").").strip())
     assert relative < 1e-5

@@ -118,6 +118,52 @@ def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):
     assert state["last_epoch"] == 3 and state["lr_lambdas"][0]["total_steps"] == 10
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_replanned_schedule_replays_a_fresh_run_of_the_new_length(scaled):
+    """lr_schedulers.replan: a 10-step run's scheduler (its cosine ends at 0) continued on a
+    20-step horizon gives from step 10 on the LRs of a fresh 20-step run: for schedulers that
+    compute each LR from the previous one (torch's PolynomialLR chained with an ExponentialLR:
+    no last_epoch of its own), and for warmup_cosine through a ScaledLR's clock (1.5 ticks per
+    step)."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR, PolynomialLR
+
+    from gradsync.train.lr_scaling import ScaledLR
+    from gradsync.train.lr_schedulers import replan
+
+    def run(total: int, steps: int):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        if scaled:
+            sched = ScaledLR(warmup_cosine(opt, total, warmup_steps=2), opt, "linear",
+                             reference=32, tick="samples")
+        else:
+            sched = ChainedScheduler([PolynomialLR(opt, total_iters=total),
+                                      ExponentialLR(opt, gamma=0.9)])
+        lrs = []
+        for _ in range(steps):
+            if scaled:
+                sched.before_step(Window(0, 1, 0, 0, 48), None)
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return opt, sched, lrs
+
+    short_opt, short, _ = run(10 if not scaled else 15, 10)
+    assert short_opt.param_groups[0]["lr"] == 0.0
+    _, _, fresh = run(20 if not scaled else 30, 20)
+    opt, sched, _ = run(20 if not scaled else 30, 0)
+    fresh_lrs = [g["lr"] for g in opt.param_groups]
+    opt.load_state_dict(short_opt.state_dict())
+    replan(sched, short.state_dict(), opt, fresh_lrs, steps=10)
+    lrs = []
+    for _ in range(10):
+        if scaled:
+            sched.before_step(Window(0, 1, 0, 0, 48), None)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == fresh[10:] and min(lrs) > 0
+
+
 def test_per_sample_losses_are_each_samples_mean_with_a_count_of_one():
     out = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
     y = torch.zeros(2, 2)

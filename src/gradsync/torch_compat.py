@@ -1,6 +1,7 @@
-"""What differs between the torch versions gradsync supports (pyproject.toml: torch>=2.11,<2.14;
-tested: 2.11.0 with `make compat TORCH=2.11.0`, 2.13.0 from the lock). Every API gradsync calls was
-read against 2.11's and 2.13's source; this is the one place that asks which torch it runs on.
+"""What differs between the torch versions gradsync supports (pyproject.toml: torch>=2.11,<2.15;
+tested: 2.11.0 and 2.14.1 with `make compat TORCH=<version>`, 2.13.0 from the lock). Every API
+gradsync calls was read against 2.11's and 2.13's source, and checked in 2.14.1's (each below is
+as in 2.13); this is the one place that asks which torch it runs on.
 
 - DDP's per-forward buffer sync is ``forward_sync_buffers`` from 2.13 (``broadcast_buffers``,
   deprecated there, before: passing it to 2.13 warns, passing ``forward_sync_buffers`` to 2.11
@@ -22,7 +23,8 @@ read against 2.11's and 2.13's source; this is the one place that asks which tor
   FSDP2's private ``FSDPParamGroup.post_backward`` and
   ``FSDPState._root_post_backward_final_callback``, and reads ``reduce_grads``,
   ``_training_state``, ``fsdp_params`` and each ``FSDPParam``'s ``_unsharded_param``,
-  ``unsharded_accumulated_grad``, ``sharded_param`` and ``_param_fqn``: read against 2.13 only.
+  ``unsharded_accumulated_grad``, ``sharded_param`` and ``_param_fqn``: read against 2.13, and
+  present in 2.14.1 (whose fast fsdp and unused-parameter tests pass).
   ``engine.find_unused_parameters`` there needs ``set_reduce_scatter_unused_params``
   (``fsdp_reduces_unused``; refused where it is missing).
 """

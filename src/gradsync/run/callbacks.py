@@ -32,15 +32,18 @@ class SweepSummary(Callback):
         self.target_loss = target_loss
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
         try:  # before anything runs: the sweep dir is this sweep's (sweep.claim)
-            sweep.claim(Path(config.hydra.sweep.dir), keep_jobs=_is_search(config))
+            sweep.claim(sweep_dir, keep_jobs=_is_search(config))
         except RunDirBusy as e:
             print(f"gradsync: sweep dir in use: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
+        sweep.plan(sweep_dir, planned_jobs(config))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = _sweep_job(config)
         if job:
+            print(sweep.progress_line(job[0], job[1]), flush=True)
             sweep.job_started(*job)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
@@ -72,6 +75,28 @@ def _sweep_job(config: DictConfig) -> tuple[Path, int, Path, list[str]] | None:
         return None
     return (Path(hc.sweep.dir), int(hc.job.num), Path(hc.runtime.output_dir),
             list(OmegaConf.to_container(hc.overrides.task)))  # type: ignore[arg-type]
+
+
+def planned_jobs(config: DictConfig) -> int | None:
+    """How many jobs the multirun plans: a search's n_trials; for Hydra's grid sweeper the
+    product of the sweep's value lists (hydra.sweeper.params and the command line's, as the
+    sweeper splits them); None for another sweeper, or overrides it cannot split."""
+    sweeper = config.hydra.sweeper
+    if _is_search(config):
+        return int(sweeper.n_trials) if sweeper.get("n_trials") else None
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [*params, *OmegaConf.to_container(config.hydra.overrides.task)])  # type: ignore[misc]
+        return sum(len(b) for b in BasicSweeper.split_arguments(parsed, None))
+    except HydraException:
+        return None
 
 
 def _is_search(config: DictConfig) -> bool:

@@ -42,7 +42,7 @@ from gradsync.engines import capabilities
 from gradsync.engines import schemas as engine_schemas
 from gradsync.engines.trace import TRACE_DIR
 from gradsync.engines.trace import merge as merge_trace
-from gradsync.run import slurm
+from gradsync.run import slurm, sweep
 from gradsync.run import summary as run_summary
 from gradsync.run.faults import exit_now, signal_name
 from gradsync.run.inspect import INSPECT_PARAMS, parameters_table
@@ -186,6 +186,7 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
         return _fail(mode, run_dir, "training failed", str(e), 1, hard=not placement.spawns)
     except Interrupted as e:
         print(f"gradsync: {e}", file=sys.stderr, flush=True)
+        _end_sweep(signal_name(e.signum))
         sys.exit(128 + e.signum)
     if not is_rank0():
         return {}
@@ -194,7 +195,10 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
     summary["wall_s"] = time.perf_counter() - started  # the whole job: spawn, set-up, training
     run_summary.write(run_dir, summary)
     if summary["status"] == "interrupted":
-        run_summary.stopped(run_dir, summary, cfg.trainer.requeue)
+        try:
+            run_summary.stopped(run_dir, summary, cfg.trainer.requeue)
+        finally:
+            _end_sweep(summary["stopped_by"])
     write_hparams(run_dir / "tb", flat_hparams(cfg.to_plain()), final_metrics(summary),
                   summary["optimizer_steps"])
     run_summary.report(run_dir, summary)
@@ -209,14 +213,25 @@ def _merge_trace(run_dir: Path) -> None:
               f"python -m gradsync.engines trace {run_dir}", file=sys.stderr, flush=True)
 
 
+def _end_sweep(signal: str) -> None:
+    """A signal stopped this job: in a sweep whose jobs run in this process it ends the sweep
+    (run/sweep.py interrupted: the sweep dir let go, a line saying how far it got)."""
+    for line in sweep.interrupted(signal):
+        print(line, file=sys.stderr, flush=True)
+
+
 def _fail(mode: RunMode | None, run_dir: Path, kind: str, message: str, code: int,
           record: bool = True, hard: bool = False) -> dict:
     """One line and a non-zero exit for a single run; in a sweep, a failed row and the sweep
     goes on (SweepSummary makes it exit 1 at the end). record=False leaves the run dir's
-    summary.json alone; hard: the exit frees nothing (faults.exit_now)."""
+    summary.json alone; hard: the exit frees nothing (faults.exit_now). A run that failed
+    after it started training (exit code 1) names its run dir first (the error stays last)."""
     error = f"{kind}: {message}"
     failed = (run_summary.failed(run_dir, error) if record and is_rank0()
               else {"status": "failed", "error": error})
+    if code == 1 and record and is_rank0() and run_dir.is_dir():
+        print(f"gradsync: run dir: {run_dir} (each rank's log and traceback: "
+              "logs/rank<r>.log)", file=sys.stderr, flush=True)
     print(f"gradsync: {error}", file=sys.stderr, flush=True)
     if mode == RunMode.RUN:
         if hard:
@@ -311,6 +326,7 @@ def main() -> None:
         hydra_main()
     except KeyboardInterrupt:  # a Ctrl-C before the workers started (they handle it after)
         print("gradsync: interrupted before training started", file=sys.stderr)
+        _end_sweep("SIGINT")
         sys.exit(128 + signal.SIGINT)
     except Exception as e:  # raised while Hydra composed the config (or inspect checked it)
         if user_wants_traceback:

@@ -43,6 +43,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     trace = getattr(p.engine, "trace", None)  # engine.trace_sync
     averager = p.policy.averager
     a = averager.counters if averager is not None else None  # AveragingCounts: local SGD, DiLoCo
+    memory = p.engine.memory.summary()  # its peak read before the lifetime peak: never above it
     mine: dict[str, Any] = {
             "sync_backwards": c.sync_backwards, "allreduce_calls": c.allreduce_calls,
             "allreduce_bytes": c.allreduce_bytes, "peak_rss_mb": peak_rss_mb(),
@@ -53,7 +54,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
             "trace": trace.summary() if trace else None,
             "sharded": {k: getattr(c, k) for k in SHARDED_COUNTS} | {
                 "groups": c.sharded_groups},
-            "memory": p.engine.memory.summary(),
+            "memory": memory,
             "compile": p.engine.compiled.report() if p.engine.compiled else None,
             "numerics": numerics.key(p.numerics)}
     gathered: list[Any] = [None] * p.world_size
@@ -187,13 +188,43 @@ def failed(run_dir: Path, error: str) -> dict[str, Any]:
     return out
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def wire(s: dict[str, Any]) -> str:
+    """What crossed the wire, rank 0's (every rank joins every collective): the synchronising
+    backwards (or local SGD's / DiLoCo's averagings) and the bytes of each kind of collective;
+    and the final gradient noise scale where it was measured."""
+    parts = [f"sync_backwards={s['sync_backwards'][0]}"]
+    if "averagings" in s:
+        parts.append(f"averagings={s['averagings']}")
+    parts.append(f"allreduce={_size(s['allreduce_bytes'][0])}")
+    parts += [f"{k.removesuffix('_bytes')}={_size(s[k][0])}"
+              for k in ("reduce_scatter_bytes", "all_gather_bytes") if k in s]
+    line = "sent (rank 0): " + " ".join(parts)
+    if "noise_scale_windows" in s:
+        b = s["noise_scale"]
+        line += (f"  noise_scale={b:,.0f} {s['noise_scale_unit']}" if b is not None
+                 else "  noise_scale=n/a")
+    return line
+
+
 def report(run_dir: Path, s: dict[str, Any]) -> None:
-    """The lines a completed run prints."""
+    """The lines a completed run prints (a noise scale with no value: why, one line)."""
     evals = " ".join(f"eval_{k}={v:.4f}" for k, v in s["eval"].items())
+    if s.get("noise_scale_note"):
+        print(f"gradsync: warning: no gradient noise scale at the end of the run: "
+              f"{s['noise_scale_note']} (summary.json: noise_scale null)", file=sys.stderr,
+              flush=True)
     print(f"\ngradsync: outputs in {run_dir}\n"
           f"  steps={s['optimizer_steps']} samples={s['samples_seen']} "
           f"final_train_loss={s['final_train_loss']:.4f} {evals} "
           f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
+          f"  {wire(s)}\n"
           f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 

@@ -13,18 +13,29 @@ B_simple and the window size over training, and the table its final value.
 
 A sweep owns its sweep dir: it holds a lock there from before its first job until its summary is
 written (`claim`), so a second sweep into the same dir is refused at once, before it runs
-anything. Every job it launches records itself in the sweep dir when it starts and again with
-its outcome when it ends (`job_started`, `job_ended`, in whichever process runs the job): the
-summary has one row per job this sweep launched, so a job refused before it could write into its
-own dir (that dir in use by another job) or lost without an outcome (its process killed) is a
-failed row, and the sweep exits non-zero naming it.
+anything. It notes there how many jobs it plans and when it started (`plan`): each job starts
+with a line "job k of N" and, once a job is done, an ETA (`progress_line`). A signal that stops a
+job run in the sweep's own process (Ctrl-C, SIGTERM) ends the whole sweep: its lock goes and a
+line says how far it got and how to go on (`interrupted`). Every job it launches records itself
+in the sweep dir when it starts and again with its outcome when it ends (`job_started`,
+`job_ended`, in whichever process runs the job): the summary has one row per job this sweep
+launched, so a job refused before it could write into its own dir (that dir in use by another
+job) or lost without an outcome (its process killed) is a failed row, and the sweep exits
+non-zero naming it.
 
 Which job is best is a question of cost: each job's eval (and train) loss is read against three
-axes, samples seen, all-reduce bytes (rank 0's) and training seconds (the loop's, evaluation
-left out), and the columns samples_to_target, bytes_to_target and seconds_to_target say where
-its eval loss first reached the target loss (linear interpolation between the two evaluations
-around the crossing; empty when it never did). The target defaults to the worst final eval loss
-among the completed jobs, so each of them reaches it.
+axes, samples seen, bytes sent (rank 0's, every collective: a sharded engine's reduce-scatters
+and all-gathers too) and training seconds (the loop's, evaluation left out), and the columns
+samples_to_target, bytes_to_target and seconds_to_target say where its eval loss first reached
+the target loss (linear interpolation between the two evaluations around the crossing; empty
+when it never did). The target defaults to the worst final eval loss among the completed jobs,
+so each of them reaches it. The to-target columns exist only where they mean something: some
+job evaluated more than once (trainer.eval_every); with one evaluation at the end they would
+repeat each job's totals.
+
+The markdown table is the short one (TABLE_COLUMNS columns in all: the job, its swept values,
+its status and the most telling of COMPACT, leaving out set-up values every job shares and
+columns that repeat another); sweep_summary.csv has every column.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +55,13 @@ import yaml
 
 from gradsync.core import numerics
 from gradsync.core.files import write_json_atomic
+from gradsync.core.progress import progress
 from gradsync.run.rundir import let_go, take
 from gradsync.train.metrics import final_metrics
 
 # The axes a loss is read against: a Point's attribute, the label on the plot.
-AXES = {"samples": "samples seen", "bytes": "all-reduce bytes (rank 0, log)",
+AXES = {"samples": "samples seen",
+        "bytes": "bytes sent (rank 0: all-reduce + reduce-scatter + all-gather)",
         "seconds": "training seconds"}
 
 
@@ -62,9 +76,11 @@ class Point:
 
 
 def _points(rows: list[dict[str, Any]], loss_key: str) -> list[Point]:
+    """The rows' losses with their axes: the bytes of every collective (a run's rows written
+    before they were recorded: its all-reduce bytes)."""
     nan = math.nan
-    return [Point(r["samples"], r.get("allreduce_bytes", nan), r.get("train_s", nan),
-                  r[loss_key]) for r in rows if loss_key in r]
+    return [Point(r["samples"], r.get("sent_bytes", r.get("allreduce_bytes", nan)),
+                  r.get("train_s", nan), r[loss_key]) for r in rows if loss_key in r]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -98,8 +114,8 @@ def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
     rows = _rows(job_dir / "metrics.jsonl")
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
                _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
-               [(r["samples"], r["noise_scale"], r["accum_steps"]) for r in rows
-                if "noise_scale" in r])
+               [(r["samples"], math.nan if r["noise_scale"] is None else r["noise_scale"],
+                 r["accum_steps"]) for r in rows if "noise_scale" in r])
 
 
 SWEEP_LOCK = ".gradsync-sweep.lock"  # held by the sweep's process while it runs
@@ -124,6 +140,55 @@ def forget_jobs(sweep_dir: Path) -> None:
     for old in (sweep_dir / JOBS).glob("*.json"):
         old.unlink()
     (sweep_dir / STUDY).unlink(missing_ok=True)
+
+
+PLAN = ".gradsync-sweep.json"  # {"jobs": N or null, "started": epoch seconds}
+
+
+def plan(sweep_dir: Path, jobs: int | None) -> None:
+    """Note the jobs the sweep plans (None: not known in advance) and when it starts."""
+    write_json_atomic(sweep_dir / PLAN, {"jobs": jobs, "started": time.time()})
+
+
+def _plan(sweep_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((sweep_dir / PLAN).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _records(sweep_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in (sweep_dir / JOBS).glob("*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # a record being replaced, or gone
+            continue
+    return out
+
+
+def progress_line(sweep_dir: Path, num: int) -> str:
+    """What job `num` of the sweep starts with: "job k of N (d done in T, ETA E)"."""
+    info = _plan(sweep_dir)
+    done = sum(r["status"] != "started" for r in _records(sweep_dir))
+    elapsed = time.time() - info.get("started", time.time())
+    return f"gradsync: sweep: job {progress(num + 1, info.get('jobs'), done, elapsed)}"
+
+
+def interrupted(signal_name: str) -> list[str]:
+    """A signal stopped a job that runs in the sweep's own process (Hydra's basic launcher):
+    the sweep ends with it. Each sweep dir this process holds is let go; the lines say how far
+    it got and how to go on."""
+    lines = []
+    for sweep_dir in list(_held):
+        release(sweep_dir)
+        done = sum(r["status"] == "completed" for r in _records(sweep_dir))
+        jobs = _plan(sweep_dir).get("jobs")
+        lines.append(f"gradsync: sweep interrupted by {signal_name} with {done} of "
+                     f"{jobs or '?'} jobs completed; their summary: python -m gradsync.run.sweep "
+                     f"{sweep_dir}; to go on, run the sweep again with "
+                     f"hydra.sweep.dir={sweep_dir} resume=auto")
+    return lines
 
 
 # A search's study (run/search.py): storage, study_name, objectives, directions, and
@@ -251,7 +316,7 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     """The jobs this sweep launched, in job order, from their records; for a sweep dir without
     records (written before gradsync kept them), every job dir under it (any
     hydra.sweep.subdir)."""
-    records = [json.loads(p.read_text()) for p in (sweep_dir / JOBS).glob("*.json")]
+    records = _records(sweep_dir)
     if records:
         return sorted((_from_record(sweep_dir, r) for r in records), key=lambda j: j.num)
     dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/hydra.yaml")}
@@ -275,6 +340,12 @@ def default_target(jobs: list[Job]) -> float | None:
     finals = [j.summary["eval"]["loss"] for j in jobs
               if j.completed and math.isfinite(j.summary.get("eval", {}).get("loss", math.nan))]
     return max(finals) if finals else None
+
+
+def evaluated_often(jobs: list[Job]) -> bool:
+    """Whether to-target numbers mean something: some completed job has more than one finite
+    eval loss (with one, at the end, they are its totals)."""
+    return any(sum(math.isfinite(p.loss) for p in j.evals) > 1 for j in jobs if j.completed)
 
 
 def to_target(points: list[Point], target: float) -> dict[str, float] | None:
@@ -303,6 +374,7 @@ def table(jobs: list[Job], target: float | None = None,
     search, each job's trial and its state (a completed run whose objective Optuna could not
     use is a failed row)."""
     keys = swept_keys(jobs)
+    often = evaluated_often(jobs)
     rows = []
     for job in jobs:
         s = job.summary
@@ -321,7 +393,7 @@ def table(jobs: list[Job], target: float | None = None,
             row |= {k: s[k] for k in ("world_size", "micro_batch_size", "accum_steps")}
             row |= {"global_batch": _global_batch(s), "optimizer_steps": s["optimizer_steps"]}
             row |= final_metrics(s)
-        if target is not None:
+        if target is not None and often:
             row["target_loss"] = target
             reached = to_target(job.evals, target)
             row |= {f"{axis}_to_target": "" if reached is None or not math.isfinite(reached[axis])
@@ -353,6 +425,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "sync_backwards": ("sync backwards/rank", str),
     "allreduce_calls": ("all-reduce calls/rank", str),
     "allreduce_bytes": ("all-reduce MB/rank", lambda v: f"{v / 1e6:.2f}"),
+    "sent_bytes": ("MB sent/rank", lambda v: f"{v / 1e6:.2f}"),
     "peak_rss_mb": ("peak RSS MB", lambda v: f"{v:.0f}"),
     "reduce_scatter_bytes": ("reduce-scatter MB/rank", lambda v: f"{v / 1e6:.2f}"),  # fsdp, hsdp
     "all_gather_bytes": ("all-gather MB/rank", lambda v: f"{v / 1e6:.2f}"),
@@ -363,11 +436,26 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "max_replica_drift": ("max replica drift", lambda v: f"{v:.3g}"),  # local SGD, DiLoCo
     "noise_scale": ("final B_simple", lambda v: f"{v:,.0f}"),  # noise_scale.enabled
     "samples_to_target": ("samples to target", lambda v: f"{v:,.0f}"),
-    "bytes_to_target": ("all-reduce MB to target", lambda v: f"{v / 1e6:.2f}"),
+    "bytes_to_target": ("MB sent to target", lambda v: f"{v / 1e6:.2f}"),
     "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),
 }
 # Set-up columns that move out of the table into one line when every completed job agrees.
-SETUP = ("world_size", "micro_batch_size", "accum_steps", "global_batch", "optimizer_steps")
+SETUP = ("world_size", "micro_batch_size", "accum_steps", "global_batch", "optimizer_steps",
+         "grad_held_bytes")
+# The markdown table's candidates, in the order shown, and which to keep first when more than
+# TABLE_COLUMNS remain (sweep_summary.csv has every column; peak RSS where no peak memory was
+# measured: the same number on the CPU).
+COMPACT = ("trial_state", "world_size", "micro_batch_size", "accum_steps", "global_batch",
+           "optimizer_steps", "final_train_loss", "eval_loss", "eval_accuracy", "samples_per_s",
+           "sync_backwards", "sent_bytes", "grad_held_bytes", "peak_mem_mb", "peak_rss_mb",
+           "max_replica_drift", "noise_scale", "samples_to_target", "bytes_to_target",
+           "seconds_to_target", "wall_s")
+PRIORITY = ("eval_loss", "final_train_loss", "sent_bytes", "samples_to_target",
+            "bytes_to_target", "seconds_to_target", "world_size", "accum_steps", "global_batch",
+            "optimizer_steps", "micro_batch_size", "samples_per_s", "max_replica_drift",
+            "noise_scale", "grad_held_bytes", "peak_mem_mb", "peak_rss_mb", "eval_accuracy",
+            "sync_backwards", "wall_s", "trial_state")
+TABLE_COLUMNS = 12  # in all, the job, its swept values and status included
 
 
 def _cell(column: str, value: Any) -> str:
@@ -468,11 +556,13 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     """The table a person reads: the swept values, what differs, and the final numbers."""
     failed = sum(r["status"] != "completed" for r in rows)
     done = [r for r in rows if r["status"] == "completed"]
-    same = [c for c in SETUP if done and len({str(r[c]) for r in done}) == 1]
+    # set-up values every completed job shares, and with 2 jobs or more any other value
+    same = [c for c in (*SETUP, *COMPACT) if done and c in columns
+            and (c in SETUP or len(done) > 1) and len({str(r.get(c, "")) for r in done}) == 1]
+    same = list(dict.fromkeys(c for c in same if c not in ("trial_state", "peak_rss_mb")))
     common = [f"{k}={v}" for k, v in jobs[0].overrides.items()
               if k not in columns and all(j.overrides.get(k) == v for j in jobs)] if jobs else []
-    shown = [c for c in columns if (c in MARKDOWN and c not in same and c != "train_s")
-             or c in swept_keys(jobs) or c in ("job", "status") or (c == "error" and failed)]
+    shown = _shown(columns, rows, swept_keys(jobs), same, failed > 0)
     headers = [MARKDOWN.get(c, (c, str))[0] for c in shown]
     lines = [f"# Sweep {sweep_dir}", "",
              f"{len(rows)} jobs: {len(done)} completed, {failed} failed. "
@@ -480,11 +570,14 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     if same:
         lines.append("Same in every completed job: " + ", ".join(
             f"{MARKDOWN[c][0]} {_cell(c, done[0][c])}" for c in same) + ".")
-    if target is not None:
+    if target is not None and any("samples_to_target" in r for r in rows):
         how = "given" if target_given else "the worst final eval loss among completed jobs"
         lines.append(f"Target eval loss {target:.6g} ({how}): the to-target columns are where "
                      "each job's eval loss first reached it (interpolated between evaluations; "
                      "empty: never).")
+    elif done:
+        lines.append("Each job evaluated once, at its end: no to-target columns (they would "
+                     "repeat its totals; trainer.eval_every=K evaluates along the way).")
     if study is not None:
         lines += _study_lines(study, rows)
     mixed = _numerics_line(jobs, rows)
@@ -497,10 +590,34 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     spread = _loss_spread(rows)
     against = _against_first(rows)
     lines += ["", *([spread, ""] if spread else []), *([*against, ""] if against else []),
-              "Per-rank counters are rank 0's; peak RSS is the largest worker's. Loss against "
-              "samples, bytes and seconds: sweep.png. Every column: sweep_summary.csv. HParams: "
-              f"`tensorboard --logdir {sweep_dir}`.", ""]
+              "Per-rank counters are rank 0's; peak memory is the largest rank's. Loss against "
+              "samples, bytes sent and seconds: sweep.png. Every column (all-reduce calls and "
+              "bytes, reduce-scatter and all-gather bytes, peak RSS, training seconds...): "
+              f"sweep_summary.csv. HParams: `tensorboard --logdir {sweep_dir}`.", ""]
     return "\n".join(lines)
+
+
+def _shown(columns: list[str], rows: list[dict[str, Any]], swept: list[str], same: list[str],
+           failed: bool) -> list[str]:
+    """The markdown table's columns: the job, its swept values, its status (and error), then
+    COMPACT's by PRIORITY up to TABLE_COLUMNS in all (5 at least), leaving out the set-up
+    values every completed job shares (`same`), peak RSS where peak memory was measured, and
+    any column whose cells repeat a column already kept (N beside a swept
+    schedule.accum_steps; sync backwards beside steps, one per step)."""
+    def cells(c: str) -> tuple[str, ...]:
+        return tuple(str(r.get(c, "")) for r in rows)
+
+    fixed = ["job", *[c for c in swept if c in columns], "status"]
+    kept: list[str] = []
+    room = max(5, TABLE_COLUMNS - len(fixed) - failed)
+    seen = {cells(c) for c in fixed}
+    for c in sorted((c for c in COMPACT if c in columns and c not in same), key=PRIORITY.index):
+        if c == "peak_rss_mb" and "peak_mem_mb" in kept or cells(c) in seen:
+            continue
+        if len(kept) < room:
+            kept.append(c)
+            seen.add(cells(c))
+    return fixed + [c for c in COMPACT if c in kept] + (["error"] if failed else [])
 
 
 def _label(job: Job, keys: list[str]) -> str:
@@ -510,8 +627,10 @@ def _label(job: Job, keys: list[str]) -> str:
 
 def plot(jobs: list[Job], path: Path, target: float | None = None):
     """Three panels, one colour per job: eval loss (markers) and train loss (thin) against
-    samples seen, all-reduce bytes (log axis) and training seconds; the target as a dashed line.
-    Returns the figure (closed)."""
+    samples seen, bytes sent (log axis; symlog from 0 where a job sent nothing at all, so it
+    stays on the plot) and training seconds; the whole of every curve (a log loss axis where
+    the losses span more than 10x), the target as a dashed line. Returns the figure
+    (closed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -528,7 +647,10 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     # NaN marks a window aborted by fp16 overflow: a gap in the curve, not a scale
     every = [p.loss for job in jobs for p in job.losses + job.evals if math.isfinite(p.loss)]
     log_loss = bool(every) and min(every) > 0 and max(every) > 10 * min(every)
-    evals = [p.loss for job in jobs for p in job.evals if math.isfinite(p.loss)]
+    sent = [p.bytes for job in jobs for p in job.losses + job.evals if math.isfinite(p.bytes)]
+    # a job that sent nothing at all (one rank) would vanish from a log axis: symlog keeps it
+    silent = any(job.losses + job.evals and not any(p.bytes > 0 for p in job.losses + job.evals)
+                 for job in jobs)
     for ax, (axis, xlabel) in zip(axes, AXES.items(), strict=True):
         for i, job in enumerate(jobs):
             color = colors[i % len(colors)]
@@ -539,11 +661,17 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
                 ax.plot([getattr(p, axis) for p in job.evals], [p.loss for p in job.evals],
                         "o-", color=color, linewidth=1.6, markersize=3, label=label(job))
         if target is not None:
-            ax.axhline(target, color="black", linestyle="--", linewidth=0.8)
-        if evals and not log_loss:  # the eval range, not the first steps' train loss, fills it
-            ax.set_ylim(top=max(evals) + 0.5 * (max(evals) - min(evals)) + 1e-3)
+            ax.axhline(target, color="black", linestyle="--", linewidth=0.8,
+                       label=f"target {target:.4g}" if axis == "samples" else None)
+        if axis == "samples":
+            _note_coinciding(ax, jobs)
         if axis == "bytes":
-            ax.set_xscale("log")
+            positive = [b for b in sent if b > 0]
+            if silent:
+                ax.set_xscale("symlog", linthresh=min(positive, default=1.0))
+                ax.set_xlim(left=0)
+            elif positive:
+                ax.set_xscale("log")
         if log_loss:
             ax.set_yscale("log")
         ax.set(xlabel=xlabel, ylabel="loss" if axis == "samples" else None,
@@ -552,10 +680,27 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     if any(job.evals for job in jobs):
         axes[0].legend(fontsize="small", title="eval (dots); train: thin",
                        title_fontsize="small")
+    elif target is not None:
+        axes[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+def _note_coinciding(ax: Any, jobs: list[Job]) -> None:
+    """Jobs that train the same model draw one curve against samples, the last drawn hiding the
+    others: say so on the panel, so that no job seems missing."""
+    curves: dict[tuple, list[int]] = {}
+    for job in jobs:
+        if job.losses:
+            key = tuple((p.samples, round(p.loss, 5)) for p in job.losses)
+            curves.setdefault(key, []).append(job.num)
+    shared = [nums for nums in curves.values() if len(nums) > 1]
+    if shared:
+        text = "; ".join(f"jobs {', '.join(map(str, nums))}" for nums in shared)
+        ax.text(0.02, 0.02, f"one curve: {text} (the same updates)", transform=ax.transAxes,
+                fontsize="small", va="bottom")
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path, swept: list[str]) -> bool:
@@ -575,16 +720,20 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, swept: list[str]) -> boo
     if peaks:
         panels.append(("peak_mem_mb", 1.0, "peak memory during training (MB)"))
     for ax, (key, scale, ylabel) in zip(axes[0], panels, strict=True):
+        xs, ys = [], []
         for r in done:
             x, y = r["comm_bytes_per_step"] / 1e6, r[key] * scale
+            xs.append(x)
+            ys.append(y)
             ax.plot(x, y, "o", markersize=8)
             label = " ".join(str(r[k]) for k in swept) or f"job {r['job']}"
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4),
                         fontsize="small")
         ax.set(xlabel="MB sent per optimizer step (rank 0: all-reduce + reduce-scatter + "
                       "all-gather)", ylabel=ylabel)
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
+        # from 0, with room for the labels of the outermost points
+        ax.set_xlim(0, max(xs) * 1.15 or 1)
+        ax.set_ylim(0, max(ys) * 1.12 or 1)
         ax.grid(True, alpha=0.3)
     fig.suptitle("Memory (the largest rank's) against bytes sent, one point per job")
     fig.tight_layout()

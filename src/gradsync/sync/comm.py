@@ -50,6 +50,12 @@ class CommCounts:
     # [calls, bytes] (its all-reduces per group are in `groups`)
     sharded_groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
+    @property
+    def sent_bytes(self) -> int:
+        """Every collective's bytes: all-reduces, and a sharded engine's reduce-scatters and
+        all-gathers (the x-axis on which a sweep compares jobs of any engine)."""
+        return self.allreduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
+
     def add(self, calls: int, nbytes: int, group: str | None = None) -> None:
         """Count all-reduces made outside the counting hook (a policy's averaging)."""
         self.allreduce_calls += calls

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradsync.train.lr_schedulers import advance
+
 if TYPE_CHECKING:
     from gradsync.config.schema import LRScalingConfig
     from gradsync.train.noise_scale import NoiseScale
@@ -125,6 +127,12 @@ class ScaledLR:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.clock, self.ticks, self.base = state["clock"], state["ticks"], state["base"]
+
+    def replan(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's clock on this run's horizon: the freshly built
+        scheduler advanced by the checkpoint's ticks (train/lr_schedulers.py ``replan``)."""
+        self.clock, self.ticks, self.base = state["clock"], state["ticks"], state["base"]
+        advance(self.scheduler, self.ticks)
 
 
 def reference_batch(cfg: LRScalingConfig, world_size: int, micro_batch_size: int,

@@ -1,11 +1,20 @@
 """LR schedulers, stepped once per optimizer step (never per micro-batch). ``_target_``
 components (conf/lr_scheduler/): a callable taking the optimizer (and ``total_steps``, the run's
 optimizer steps, if it names it) plus its config's keyword arguments, returning a torch LR
-scheduler."""
+scheduler.
+
+A resumed run whose length changed (trainer.max_epochs / max_steps, or the world size of a
+resharded checkpoint) has another horizon than the one its checkpoint's schedule was built for:
+the schedule is then re-planned (``replan``): the scheduler built for this run's horizon is
+stepped to where the checkpoint stood, so every step from there on uses the LR a fresh run of
+this length uses at that step (docs/reproducibility.md). Kept as it was, a cosine that had
+decayed to 0 would train every added step at LR 0."""
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,3 +64,29 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ste
 def constant(optimizer: torch.optim.Optimizer) -> LambdaLR:
     """The optimizer's own learning rate throughout."""
     return LambdaLR(optimizer, Constant())
+
+
+def advance(scheduler: Any, steps: int) -> None:
+    """Step a scheduler `steps` times without optimizer steps between (torch warns about that
+    order, which is meant for training, not for replaying a schedule)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        for _ in range(steps):
+            scheduler.step()
+
+
+def replan(scheduler: Any, saved: dict[str, Any], optimizer: torch.optim.Optimizer,
+           fresh_lrs: Sequence[float], steps: int) -> None:
+    """Continue a checkpointed schedule on this run's horizon. `scheduler` was built for it
+    (fresh, not loaded); `saved` is the checkpoint's scheduler state (where it stood: a torch
+    scheduler's ``last_epoch``, else `steps`, the optimizer steps taken, one scheduler step
+    each; a ScaledLR replays its own clock); `fresh_lrs` the optimizer's
+    LRs as the fresh scheduler left them, put back before the replay (loading the optimizer's
+    state set the checkpoint's), so that a scheduler computing each LR from the previous one
+    replays the fresh run's LRs too."""
+    for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
+        group["lr"] = lr
+    if hasattr(scheduler, "replan"):  # lr_scaling.ScaledLR: its clock, its scheduler's ticks
+        scheduler.replan(saved)
+    else:
+        advance(scheduler, int(saved.get("last_epoch", steps)))

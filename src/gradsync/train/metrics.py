@@ -105,6 +105,8 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
         out[f"peak_gpu_mem_mb_rank{rank}"] = mb
     if "reduce_scatter_bytes" in summary:  # a sharded engine
         out |= {k: summary[k][0] for k in ("reduce_scatter_bytes", "all_gather_bytes")}
+    out["sent_bytes"] = out["allreduce_bytes"] + out.get("reduce_scatter_bytes", 0) \
+        + out.get("all_gather_bytes", 0)
     if "memory" in summary:
         mem = summary["memory"]
         steps = summary.get("optimizer_steps") or 0

@@ -159,6 +159,27 @@ def _columns(rows: list[list[Any]], device: torch.device) -> torch.Tensor:
     return out
 
 
+def undefined(e: dict[str, float]) -> str | None:
+    """Why the estimates `e` (NoiseScale.estimates) give no B_simple to report, in one line;
+    None when B_simple is a positive number. The moving average of |G|^2 estimates goes
+    negative once the true gradient is small against its noise (late in training, near a
+    minimum): B_simple is then beyond every batch the windows compare, a ratio with no value
+    (the adaptive schedule and AdaScale act on it as infinite: the largest window, the full
+    gain)."""
+    if not e:
+        return "no window was measured (no window with a synchronising backward and b < B)"
+    norm_sq, trace, b_simple = e["grad_norm_sq"], e["grad_trace_cov"], e["noise_scale"]
+    if not (math.isfinite(norm_sq) and math.isfinite(trace)):
+        return f"the averages are not finite (|G|^2 {norm_sq:.3g}, tr(Sigma) {trace:.3g})"
+    if norm_sq <= 0:
+        return (f"the average |G|^2 estimate is {norm_sq:.3g} (not positive): the gradient is "
+                "below the noise the windows resolve, B_simple is beyond every batch measured")
+    if not b_simple > 0:
+        return (f"the average tr(Sigma) estimate is {trace:.3g} (not positive): the windows' "
+                "gradients vary less than their batch sizes predict, B_simple has no value")
+    return None
+
+
 class GradientProbe:
     """The norm of every parameter's gradient in one synchronising backward's buckets, before
     the policy's all-reduce (this rank's own gradient, before compression, error feedback or a
@@ -226,7 +247,7 @@ class NoiseScale:
         self.ema_trace = 0.0
         self.last_batch = math.nan  # units (samples or tokens) of the newest window flushed
         self.pending: list[WindowRecord] = []
-        self.results: dict[int, dict[str, float]] = {}  # window -> its fields, until logged
+        self.results: dict[int, dict[str, float | None]] = {}  # window -> its fields, until logged
         self._units: torch.Tensor | int = 0
         self._small: tuple[torch.Tensor, torch.Tensor | int] | None = None  # 1 rank
 
@@ -309,7 +330,7 @@ class NoiseScale:
         self.pending = []
         return None if carry is None else flat[:n].view_as(carry)
 
-    def _fold(self, row: list[float], big: float) -> dict[str, float]:
+    def _fold(self, row: list[float], big: float) -> dict[str, float | None]:
         small_sum, inv_b_sum, big_batch, measured = row
         w = self.world_size
         self.last_batch = big_batch
@@ -327,7 +348,7 @@ class NoiseScale:
                 out = {"grad_sq_small": small, "grad_sq_big": big_sq, "batch_small": b,
                        "batch_big": big_batch, "grad_norm_sq_window": norm_sq,
                        "grad_trace_cov_window": trace}
-        return out | self.estimates()
+        return out | self.reported()
 
     # --- what it measured ------------------------------------------------------------------
     def estimates(self) -> dict[str, float]:
@@ -344,21 +365,34 @@ class NoiseScale:
             b_simple = math.inf if trace > 0 else math.nan
         return {"grad_norm_sq": norm_sq, "grad_trace_cov": trace, "noise_scale": b_simple}
 
+    def reported(self) -> dict[str, float | None]:
+        """The estimates as rows and summary.json report them: B_simple None where it has no
+        positive value (``undefined``)."""
+        e: dict[str, float | None] = dict(self.estimates())
+        if e and undefined(e) is not None:  # type: ignore[arg-type]
+            e["noise_scale"] = None
+        return e
+
     def current(self) -> dict[str, float]:
         """Collective: the estimates with every window so far folded in (flushes)."""
         self.flush()
         return self.estimates()
 
-    def take(self, window: int) -> dict[str, float]:
+    def take(self, window: int) -> dict[str, float | None]:
         """A window's fields for its metrics row (once)."""
         return self.results.pop(window, {})
 
     def summary(self) -> dict[str, Any]:
-        """summary.json: the final B_simple and averaged estimates (None: nothing measured)."""
+        """summary.json: the final B_simple and averaged estimates. B_simple is None where it is
+        no positive number (nothing measured, or an average that is not positive: ``undefined``
+        says why, in ``noise_scale_note``); the averages stay as measured."""
         e = self.estimates()
-        return {"noise_scale": e.get("noise_scale"), "grad_norm_sq": e.get("grad_norm_sq"),
-                "grad_trace_cov": e.get("grad_trace_cov"), "noise_scale_windows": self.windows,
-                "noise_scale_unit": "tokens" if self.tokens else "samples"}
+        why = undefined(e)
+        return {"noise_scale": self.reported().get("noise_scale"),
+                "grad_norm_sq": e.get("grad_norm_sq"), "grad_trace_cov": e.get("grad_trace_cov"),
+                "noise_scale_windows": self.windows,
+                "noise_scale_unit": "tokens" if self.tokens else "samples"} | (
+            {"noise_scale_note": why} if why else {})
 
     def state_dict(self) -> dict[str, Any]:
         assert not self.pending, "the loop flushes before a checkpoint"

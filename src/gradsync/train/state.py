@@ -8,10 +8,15 @@ overflow handling), plus the config and its hash. The sampler needs no state of 
 order is a function of (seed, epoch) and its position is ``Progress.epoch_micro``; the loss
 normaliser's state lives inside one window. Everything is plain tensors, numbers, strings,
 lists and dicts, so it loads with ``weights_only=True``.
+
+The LR schedule's horizon (``lr_horizon``: the optimizer steps, or reference batches, it was
+planned for) is saved too: a resume whose horizon differs (more epochs or steps) re-plans the
+schedule from the checkpoint on (train/lr_schedulers.py ``replan``) instead of loading it.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import asdict, fields
 from typing import Any
@@ -22,8 +27,11 @@ import torch.distributed as dist
 
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import derive_seed, seed_rank
+from gradsync.train import lr_schedulers
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.repro import config_hash
+
+log = logging.getLogger("gradsync.train.state")  # a child of the ranks' log (run/worker.py)
 
 
 def to_cpu(tree: Any) -> Any:
@@ -130,8 +138,19 @@ def capture(p: Parts, state: Progress, cfg: dict[str, Any], group: Any,
     if p.policy.averager is not None and not p.policy.averager.in_sync():
         out["model"] = mean_model([r["own"] for r in ranks])  # what a user would deploy
     out.update(step=state.step, progress=asdict(state), ranks=ranks, world_size=p.world_size,
-               config=cfg, config_hash=config_hash(cfg), numerics=p.numerics)
+               config=cfg, config_hash=config_hash(cfg), lr_horizon=p.total_steps,
+               numerics=p.numerics)
     return out
+
+
+def horizon_changed(p: Parts, ckpt: dict[str, Any]) -> bool:
+    """Whether this run's LR horizon differs from the one the checkpoint's schedule was built
+    for (a checkpoint that did not record it: whether the run's length settings differ)."""
+    old = ckpt.get("lr_horizon")
+    if old is not None:
+        return int(old) != p.total_steps
+    t = ckpt["config"]["trainer"]
+    return (t["max_epochs"], t["max_steps"]) != (p.trainer.max_epochs, p.trainer.max_steps)
 
 
 def restore(p: Parts, ckpt: dict[str, Any], rank: int,
@@ -139,20 +158,42 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int,
     """Load a checkpoint into freshly built parts (but the components in `skip`); returns the
     Progress to continue from. A checkpoint of another world size (a sharded one: DCP
     reshards) has no part for this rank: its counters start from zero and its RNG streams are
-    drawn afresh from (seed, optimizer step, rank)."""
+    drawn afresh from (seed, optimizer step, rank). A run of another length re-plans the LR
+    schedule (the module's docstring)."""
+    replan = horizon_changed(p, ckpt)
+    fresh_lrs = [g["lr"] for g in p.optimizer.param_groups]  # as the fresh scheduler set them
     for name, obj in components(p, skip).items():
-        obj.load_state_dict(ckpt[name])
+        if not (replan and name == "lr_scheduler"):
+            obj.load_state_dict(ckpt[name])
     known = {f.name for f in fields(Progress)}
     state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
     if ckpt["world_size"] != p.world_size:
+        if replan:
+            _replan(p, ckpt, ckpt["lr_scheduler"], fresh_lrs, state)
         seed_rank(derive_seed(ckpt["config"]["seed"], state.step), rank)
         return state
     mine = ckpt["ranks"][rank]
     parts = components(p)
     for name, own in mine.get("own", {}).items():
-        parts[name].load_state_dict(own)  # this rank's replica, not the consensus
+        if not (replan and name == "lr_scheduler"):
+            parts[name].load_state_dict(own)  # this rank's replica, not the consensus
+    if replan:
+        _replan(p, ckpt, mine.get("own", {}).get("lr_scheduler", ckpt["lr_scheduler"]),
+                fresh_lrs, state)
     for name, counters in rank_counters(p).items():
         for key, value in mine["counters"][name].items():
             setattr(counters, key, value)
     set_rng_state(mine["rng"], p.device)  # last: nothing after it may draw
     return state
+
+
+def _replan(p: Parts, ckpt: dict[str, Any], saved: dict[str, Any], fresh_lrs: list[float],
+            state: Progress) -> None:
+    """The LR schedule of this run's length, from the checkpoint's step on (after the optimizer
+    was loaded: its LRs are the replayed schedule's, not the checkpoint's)."""
+    lr_schedulers.replan(p.lr_scheduler, saved, p.optimizer, fresh_lrs, state.step)
+    old = ckpt.get("lr_horizon")
+    log.info("the run's length changed: the LR schedule is re-planned for its new horizon, %d "
+             "(was %s), from optimizer step %d on: each step uses the LR a fresh run of this "
+             "length uses there (now %.6g)", p.total_steps, "?" if old is None else old,
+             state.step, p.optimizer.param_groups[0]["lr"])

@@ -113,7 +113,8 @@ class StepLog:
             scalars["train/grad_norm"] = grad_norm
         if "lr_factor" in last:
             scalars["train/lr_factor"] = last["lr_factor"]
-        scalars |= {f"noise/{k}": v for k, v in last.items() if k in NOISE_SCALARS}
+        scalars |= {f"noise/{k}": v for k, v in last.items()
+                    if k in NOISE_SCALARS and v is not None}  # None: B_simple has no value
         if self.p.device.type == "cuda":  # rank 0's (mem/peak_mb's reading of torch's
             # counter); every rank's is in summary.json
             scalars["perf/peak_gpu_mem_mb"] = scalars["mem/peak_mb"]
@@ -131,6 +132,7 @@ class StepLog:
 
 
 def spent(p: Parts, state: Progress) -> dict[str, Any]:
-    """Cumulative all-reduce bytes (this rank's) and loop seconds: the x-axes, besides samples,
-    on which the sweep summary compares runs."""
-    return {"allreduce_bytes": p.counts.allreduce_bytes, "train_s": state.train_s}
+    """Cumulative bytes (this rank's: all-reduce, and every collective) and loop seconds: the
+    x-axes, besides samples, on which the sweep summary compares runs."""
+    return {"allreduce_bytes": p.counts.allreduce_bytes, "sent_bytes": p.counts.sent_bytes,
+            "train_s": state.train_s}
