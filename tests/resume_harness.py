@@ -153,6 +153,7 @@ def check(case: Case, references: References, pool, tmp: Path, env: dict) -> Non
         info = json.loads((run_dir / "run_info.json").read_text())
         assert info["resumed_from"] == summary["resumed_from"] == str(start.checkpoint)
     assert summary["status"] == "completed"
+    assert summary["resumed_numerics_differ"] == []  # this machine: the checkpoint's numerics
     first = 0 if start.rows_kept else progress["windows"]
     assert losses(rows) == losses(ref.rows)[first:]  # every window once, the same bits
     assert {k: summary[k] for k in case.run.keys} == {k: ref.summary[k] for k in case.run.keys}

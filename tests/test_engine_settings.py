@@ -65,15 +65,14 @@ def test_an_engine_with_a_setting_of_its_own_is_two_files(tmp_path, cli_env):
                                                     "src/gradsync/engines/toy.py"]
     assert all(after[k] == v for k, v in before.items())  # nothing else touched
     env = cli_env | {"PYTHONPATH": str(copy / "src")}
-    calls = {}
-    for cap in ("25", "0.0001"):  # one bucket for the whole model, or several
-        run_dir = tmp_path / f"cap-{cap}"
-        code, _, err = Job(run_dir, [*RUN, "engine=toy", f"engine.cap_mb={cap}"], env).finish()
-        assert code == 0, err
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["optimizer_steps"] == 2
-        calls[cap] = summary["allreduce_calls"][0] / summary["sync_backwards"][0]
-    assert calls["25"] == 1 < calls["0.0001"]  # its setting reached the DDP it builds
+    run_dir = tmp_path / "run"
+    code, _, err = Job(run_dir, [*RUN, "engine=toy", "engine.cap_mb=0.0001"], env).finish()
+    assert code == 0, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 2
+    # its setting reached the DDP it builds: a bucket per parameter or so, where the default
+    # 25 MB holds this MLP's gradients in one bucket
+    assert summary["allreduce_calls"][0] > summary["sync_backwards"][0]
     code, _, err = Job(tmp_path / "bad", [*RUN, "engine=toy", "engine.cap_mb=-1"], env).finish()
     assert code == 2 and err.strip().splitlines() == [
         "gradsync: config error: engine.cap_mb=-1.0 is not allowed: a number > 0"], err

@@ -77,13 +77,11 @@ def test_portable_bits_hold_under_another_cpus_isa_settings_native_bits_do_not(t
 
 @pytest.mark.slow
 def test_a_resume_whose_numerics_differ_says_so_in_one_line(tmp_path, cli_env):
+    """(A resume on the machine that wrote the checkpoint says nothing: tests/test_resume.py's
+    cases hold summary.json's resumed_numerics_differ to [].)"""
     run_dir = tmp_path / "run"
-    code, _, err = Job(run_dir, [*TINY, "trainer.max_steps=4"], cli_env).finish()
+    code, _, err = Job(run_dir, [*TINY, "trainer.max_steps=6"], cli_env).finish()
     assert code == 0, err
-    code, _, err = Job(run_dir, [*TINY, "trainer.max_steps=6", "resume=auto"], cli_env).finish()
-    assert code == 0, err
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert "numerics differ" not in err and summary["resumed_numerics_differ"] == []
     # the newest checkpoint as another CPU kind would have written it
     side = run_dir / "checkpoints" / "step_00000006.json"
     meta = json.loads(side.read_text())
