@@ -46,7 +46,7 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         job = _sweep_job(config)
         if job:  # what the job returned, or the exception it raised
-            sweep.job_ended(*job, job_return._return_value)
+            sweep.job_ended(*job, sweep.job_value(job_return))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -299,7 +299,8 @@ def main() -> None:
         if user_wants_traceback:
             raise
         message = str(e) if isinstance(e, ConfigError) else one_line(e, sys.argv[1:], hydra_main)
-        print(f"gradsync: config error: {first_line(message)}", file=sys.stderr)
+        kind = getattr(e, "kind", "config error")  # e.g. the search's: "search refused"
+        print(f"gradsync: {kind}: {first_line(message)}", file=sys.stderr)
         sys.exit(2)
     finally:
         if scratch is not None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from gradsync.components import require_extra
 from gradsync.run.rundir import let_go, take
 from gradsync.train.metrics import final_metrics, write_json_atomic
 
@@ -151,11 +151,9 @@ class Study:
 
 
 def import_optuna() -> Any:
-    """optuna (a search's), without SQLAlchemy's warning that optuna 2's storage uses APIs that
-    SQLAlchemy 2 dropped (requirements.lock pins SQLAlchemy 1.4), and without its INFO lines."""
-    os.environ.setdefault("SQLALCHEMY_SILENCE_UBER_WARNING", "1")
-    import optuna
-
+    """optuna (a search's: gradsync[search], or one line naming it), without its INFO lines."""
+    optuna = require_extra("optuna", "search", "hydra/sweeper=optuna (a search)")
+    require_extra("sqlalchemy", "search", "hydra/sweeper=optuna (a search)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 
@@ -202,6 +200,15 @@ def _record(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str],
     (sweep_dir / JOBS).mkdir(exist_ok=True)
     write_json_atomic(sweep_dir / JOBS / f"{num}.json", {
         "num": num, "dir": where, "overrides": overrides, **outcome})
+
+
+def job_value(ret: Any) -> Any:
+    """What a job returned (its summary), or the exception it raised: a Hydra JobReturn's
+    outcome through its public return_value (which raises a failed job's exception)."""
+    try:
+        return ret.return_value
+    except BaseException as e:  # the job's own exception, kept as its outcome
+        return e
 
 
 def job_started(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str]) -> None:
@@ -429,8 +436,8 @@ def _study_lines(study: Study, rows: list[dict[str, Any]]) -> list[str]:
         values = ", ".join(f"{o} {v:.6g}" for o, v in zip(study.objectives, trial.values,
                                                           strict=True))
         what = "Best trial" if len(study.objectives) == 1 else "On the Pareto front: trial"
-        lines.append(f"{what} {trial.number} (job {job}, {by_job[job]['dir']}): {params}: "
-                     f"{values}.")
+        where = by_job[job]["dir"] if job in by_job else "no record of its job"
+        lines.append(f"{what} {trial.number} (job {job}, {where}): {params}: {values}.")
     if not study.best:
         lines.append("No trial completed: no best trial.")
     return lines
