@@ -48,6 +48,7 @@ class Config:
     lr_scaling: Any = MISSING
     seed: int = 0
     resume: str = "none"  # none | auto | a checkpoint file or run dir
+    logger: Any = None  # experiment trackers by name (conf/logger/; train/trackers.py)
 
 
 # hydra/sweeper=optuna's class (a search: run/search.py); Hydra takes sweepers from

@@ -56,6 +56,7 @@ from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_nam
 from gradsync.train.checkpoint import ResumeError, resolve_resume
 from gradsync.train.metrics import final_metrics, flat_hparams, write_hparams
 from gradsync.train.repro import run_info, write_run_info
+from gradsync.train.trackers import TENSORBOARD
 
 
 def register_resolvers() -> None:
@@ -119,6 +120,8 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         if _traceback_wanted():
             raise
         return _refuse(mode, run_dir, claim, "config error", _config_message(e))
+    if mode == RunMode.MULTIRUN:  # its trackers' parent runs are the sweep's
+        cfg.sweep_dir = str(HydraConfig.get().sweep.dir)
     try:
         cfg.resume = _resolve_resume(cfg, placement, run_dir)
     except ResumeError as e:
@@ -178,8 +181,9 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
     run_summary.write(run_dir, summary)
     if summary["status"] == "interrupted":
         run_summary.stopped(run_dir, summary, cfg.trainer.requeue)
-    write_hparams(run_dir / "tb", flat_hparams(cfg.to_plain()), final_metrics(summary),
-                  summary["optimizer_steps"])
+    if any(c.target == TENSORBOARD for c in cfg.logger.values()):  # the HParams tab's row
+        write_hparams(run_dir / "tb", flat_hparams(cfg.to_plain()), final_metrics(summary),
+                      summary["optimizer_steps"])
     run_summary.report(run_dir, summary)
     return summary
 

@@ -184,7 +184,7 @@ def search_space(lines: Sequence[str], config_loader: Any = None) -> tuple[
 def distribution(override: Override) -> Any:
     """One sweep override as an Optuna distribution, with a grid's meaning (module docstring)."""
     d = import_optuna().distributions
-    value = override.value()
+    value: Any = override.value()
     text = str(override.input_line)
     tags = set(getattr(value, "tags", ()) or ())
     if override.is_choice_sweep():
@@ -387,7 +387,7 @@ def instantiate_sampler(node: Any) -> Any:
         else dict(node)
     assert isinstance(settings, dict)
     target = str(settings.pop("_target_"))
-    args = {k: v for k, v in settings.items() if v is not None}
+    args = {str(k): v for k, v in settings.items() if v is not None}
     try:
         return locate(target, "hydra.sweeper.sampler._target_")(**args)
     except (TypeError, ValueError) as e:

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from gradsync.components import require_extra
+from gradsync.components import ConfigError, require_extra
 from gradsync.run.rundir import let_go, take
 from gradsync.train.metrics import final_metrics, write_json_atomic
 
@@ -476,8 +476,9 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
     against = _against_first(rows)
     lines += ["", *([spread, ""] if spread else []), *([*against, ""] if against else []),
               "Per-rank counters are rank 0's; peak RSS is the largest worker's. Loss against "
-              "samples, bytes and seconds: sweep.png. Every column: sweep_summary.csv. HParams: "
-              f"`tensorboard --logdir {sweep_dir}`.", ""]
+              "samples, bytes and seconds: sweep.png. Every column: sweep_summary.csv."
+              + (f" HParams: `tensorboard --logdir {sweep_dir}`."  # logger=tensorboard's
+                 if any((job.dir / "tb").is_dir() for job in jobs) else ""), ""]
     return "\n".join(lines)
 
 
@@ -635,10 +636,15 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepRes
         writer.writerows(rows)
     text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None, study)
     (sweep_dir / "sweep_summary.md").write_text(text)
-    plot(jobs, sweep_dir / "sweep.png", target)
-    plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
-    if any(job.noise for job in jobs):
-        plot_noise(jobs, sweep_dir / "noise_scale.png")
+    try:
+        require_extra("matplotlib", "plots", "a sweep's plots (sweep.png)")
+    except ConfigError as e:  # the summary stands without them
+        print(f"gradsync: sweep: no plots: {e}", file=sys.stderr, flush=True)
+    else:
+        plot(jobs, sweep_dir / "sweep.png", target)
+        plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
+        if any(job.noise for job in jobs):
+            plot_noise(jobs, sweep_dir / "noise_scale.png")
     failed = [r["job"] for r in rows if r["status"] != "completed"]
     return SweepResult(len(rows), len(failed), text, failed)
 
