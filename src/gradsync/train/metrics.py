@@ -75,6 +75,7 @@ class RunLog:
         self.finished = False
         if not active:
             return
+        run_dir.mkdir(parents=True, exist_ok=True)
         # A run continued from window w drops what an earlier attempt logged after w.
         keep_rows_through(run_dir / "metrics.jsonl", start_window)
         keep_rows_through(run_dir / "evals.jsonl", start_window)
