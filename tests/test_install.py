@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 STACK = ("torch==2.13.0", "optuna>=4", "sqlalchemy>=2", "mlflow", "transformers", "lightning")
 
 
-@pytest.mark.slow
-def test_the_wheel_installs_beside_optuna_4_sqlalchemy_2_mlflow_transformers_lightning(
-        tmp_path):
-    source, wheels = tmp_path / "source", tmp_path / "wheels"  # built from a copy: the repo
-    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")  # stays untouched
+def build_wheel(tmp_path: Path) -> Path:
+    """gradsync's wheel, built from a copy of the repo (which stays untouched) into
+    tmp_path/wheels; returns the wheel."""
+    source, wheels = tmp_path / "source", tmp_path / "wheels"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for part in ("src", "conf"):
         shutil.copytree(REPO / part, source / part, ignore=skip)
     for part in ("pyproject.toml", "README.md"):
@@ -30,7 +31,13 @@ def test_the_wheel_installs_beside_optuna_4_sqlalchemy_2_mlflow_transformers_lig
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                     "--no-build-isolation", "--wheel-dir", str(wheels), str(source)],
                    check=True, capture_output=True, timeout=300)
-    wheel = next(wheels.glob("gradsync-*.whl"))
+    return next(wheels.glob("gradsync-*.whl"))
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_beside_optuna_4_sqlalchemy_2_mlflow_transformers_lightning(
+        tmp_path):
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]

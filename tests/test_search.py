@@ -327,10 +327,18 @@ def test_a_corrupt_or_truncated_study_file_is_refused_naming_it_and_left_as_it_w
                                                                   "(file is not a database)"),
               "truncated": (good[:len(good) // 3], "damaged or truncated (database disk image "
                                                    "is malformed)"),
-              "header only": (good[:100], "damaged or truncated")}
+              "header only": (good[:100], "damaged or truncated"),
+              "another program's": (None, "another program's database (tables t...), not an "
+                                          "Optuna study")}
     for name, (data, cause) in faults.items():
         path = tmp_path / f"{name}.db"
-        path.write_bytes(data)
+        if data is None:
+            with sqlite3.connect(path) as con:
+                con.execute("CREATE TABLE t (x)")
+            con.close()
+            data = path.read_bytes()
+        else:
+            path.write_bytes(data)
         with pytest.raises(run_search.SearchRefused) as e:
             run_search.open_storage(f"sqlite:///{path}")
         assert str(e.value).startswith(f"{path}: {cause}"), e.value

@@ -300,6 +300,10 @@ def check_study_file(path: Path) -> None:
         verdict = db.execute("PRAGMA quick_check").fetchone()[0]
         if verdict != "ok":
             raise SearchRefused(f"{path}: damaged (SQLite's quick_check: {verdict})")
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables and "version_info" not in tables:  # Optuna's tables would go into it
+            raise SearchRefused(f"{path}: another program's database (tables "
+                                f"{', '.join(sorted(tables)[:3])}...), not an Optuna study")
         db.execute("BEGIN IMMEDIATE")
         db.execute("CREATE TABLE gradsync_write_probe (x)")
         db.execute("ROLLBACK")
@@ -465,7 +469,12 @@ class Search:
                               "choice(...), range(...), interval(...) or "
                               "tag(log, interval(...))")
         self.sweeper.compose_check(to_try(space, fixed))
-        recorded = sweep.read_study(sweep_dir)
+        try:
+            recorded = sweep.read_study(sweep_dir)
+        except (OSError, ValueError) as e:
+            raise SearchRefused(f"{sweep_dir / sweep.STUDY}: not the record a search writes "
+                                f"({type(e).__name__}: {e}); move it away to start a new "
+                                "study") from None
         name = self.study_name or recorded.get("study_name") or default_study_name(sweep_dir)
         ours = recorded.get("study_name") == name and recorded.get("storage") == self.storage
         job_of = {int(k): v for k, v in recorded.get("jobs", {}).items()} if ours else {}
