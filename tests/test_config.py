@@ -236,8 +236,8 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
 BAD = [
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always, amp_aware"),
     (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, check_replicas"),
-    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, loss, lr_scaling, "
-                   "lr_scheduler"),
+    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, logger, loss, "
+                   "lr_scaling, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_backwards"),

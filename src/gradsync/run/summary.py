@@ -24,7 +24,6 @@ from gradsync.core.devices import device_name
 from gradsync.run import slurm
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.metrics import peak_memory_mb, peak_rss_mb, write_json_atomic
-from gradsync.train.trackers import read_file as read_trackers
 
 SUMMARY = "summary.json"
 
@@ -172,10 +171,7 @@ def write(run_dir: Path, summary: dict[str, Any]) -> None:
 def failed(run_dir: Path, error: str) -> dict[str, Any]:
     """A failed job's summary (written where the run dir exists; a full disk is left to the
     error line the caller prints)."""
-    out: dict[str, Any] = {"status": "failed", "error": error}
-    made = read_trackers(run_dir)  # the trackers' runs it started (ended as failed)
-    if made:
-        out["trackers"] = made
+    out = {"status": "failed", "error": error}
     if run_dir.is_dir():
         try:
             write(run_dir, out)
