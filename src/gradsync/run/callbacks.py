@@ -48,7 +48,10 @@ class SweepSummary(Callback):
         except ConfigError as e:  # an extra that is not installed, say
             print(f"gradsync: config error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
-        trackers.write_file(sweep_dir, parents)
+        if parents:
+            trackers.write_file(sweep_dir, parents)
+        else:  # none now: an earlier sweep's parents there are not this one's
+            (sweep_dir / trackers.TRACKERS_FILE).unlink(missing_ok=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = _sweep_job(config)
