@@ -78,7 +78,8 @@ def no_job_outlives_its_test():
 # held here: a test not marked slow that starts one fails where it starts it (make test-fast
 # stays fast), and a test marked slow that starts none, itself or through a fixture, fails
 # after its call (the mark then buys nothing but a place outside make test-fast).
-JOB_PROGRAMS = ("python", "gradsync-train", "torchrun", "make")
+JOB_PROGRAMS = ("python", "gradsync-train", "torchrun", "make", "unshare")  # unshare: a job in
+# a mount namespace of its own
 _starts: list[str] = []  # every job process started in this session, by what started it
 _current: dict = {"item": None, "pool": False}  # the test running; the session pool starting
 _starter_fixtures: set[str] = set()  # fixtures whose set-up started a job process

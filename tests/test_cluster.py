@@ -132,7 +132,7 @@ def test_torchrun_job_has_one_run_dir_written_by_rank0(tmp_path, cli_env, basic_
         "checkpoints/last.pt", "checkpoints/step_00000004.json", "checkpoints/step_00000004.pt",
         "evals.jsonl", "logs/rank0.log", "logs/rank1.log", "metrics.jsonl", "run_info.json",
         "summary.json",
-        "tb/<events>", "tb/<events>", "train.log"]  # training + HParams
+        "tb/<events>", "tb/<events>", "trackers.json", "train.log"]  # training + HParams
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     # torchrun's ranks train exactly what gradsync's own spawned workers train
     assert_same_training(run_dir, basic_sweep / "0")
@@ -168,7 +168,7 @@ def test_two_torchrun_nodes_train_like_one_node(tmp_path, cli_env, basic_sweep):
         "checkpoints/last.pt", "checkpoints/step_00000004.json", "checkpoints/step_00000004.pt",
         "evals.jsonl", "logs/rank0.log", "metrics.jsonl", "run_info.json", "summary.json",
         "tb/<events>",
-        "tb/<events>", "train.log"]  # training + HParams
+        "tb/<events>", "trackers.json", "train.log"]  # training + HParams
     assert sum(d.stdout.count("gradsync: outputs in") for d in done) == 1
     assert_same_training(rank0_dir, basic_sweep / "0")
 

@@ -24,6 +24,7 @@ from gradsync.sync.comm import PLAIN, ShardedSync, decides_per_bucket
 from gradsync.sync.policy import as_policy
 from gradsync.train import checkpoint
 from gradsync.train.precision import build_precision
+from test_install import build_wheel
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
@@ -224,15 +225,7 @@ def test_the_installed_package_runs_the_default_experiment_from_any_directory(tm
                                                                              cli_env):
     """pip install of the wheel (not editable) into a fresh venv, offline; gradsync-train from
     a directory that is not the repo finds its configs inside the package."""
-    source, wheels = tmp_path / "source", tmp_path / "wheels"  # built from a copy: the repo
-    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")  # stays untouched
-    for part in ("src", "conf"):
-        shutil.copytree(REPO / part, source / part, ignore=skip)
-    for part in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / part, source / part)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(wheels), str(source)],
-                   check=True, capture_output=True, timeout=300)
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=120)
@@ -241,7 +234,7 @@ def test_the_installed_package_runs_the_default_experiment_from_any_directory(tm
     (site / "deps.pth").write_text("\n".join(deps) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
                     "install", "--quiet", "--no-index", "--no-deps",
-                    *map(str, wheels.glob("*.whl"))], check=True, capture_output=True,
+                    str(wheel)], check=True, capture_output=True,
                    timeout=300)
     env = {k: v for k, v in cli_env.items() if k != "PYTHONPATH"}
     where = tmp_path / "elsewhere"

@@ -236,8 +236,8 @@ def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
 BAD = [
     (["sync=foo"], "sync=foo: no such option; choose one of: accumulate, always, amp_aware"),
     (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, bits, check_replicas"),
-    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, loss, lr_scaling, "
-                   "lr_scheduler"),
+    (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, logger, loss, "
+                   "lr_scaling, lr_scheduler"),
     (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_backwards"),
@@ -284,9 +284,9 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(args, expected, tmp_pat
 
 def test_the_lock_pins_every_dependency_inside_pyprojects_range():
     """make install installs requirements.lock, then gradsync with --no-deps: a dependency
-    pyproject.toml names (the dev tools included) that the lock lacks, or pins outside
-    pyproject's range, is never installed or contradicts what the package claims. torch stays a
-    range in pyproject (2.11 and 2.13 at least) and one exact CPU build in the lock."""
+    pyproject.toml names (the dev tools and every extra included) that the lock lacks, or pins
+    outside pyproject's range, is never installed or contradicts what the package claims. torch
+    stays a range in pyproject (2.11 and 2.13 at least) and one exact CPU build in the lock."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -305,9 +305,17 @@ def test_the_lock_pins_every_dependency_inside_pyprojects_range():
         if line:
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
+    for reqs in project["optional-dependencies"].values():  # make install: every extra
+        wanted += [r for r in map(Requirement, reqs) if r.name != "gradsync"]
     for req in wanted:
         pin = pins.get(canonicalize_name(req.name))
         assert pin is not None and req.specifier.contains(pin), (str(req), pin)
+    # a training run's dependencies only; the rest are extras, each one line when missing
+    assert sorted(Requirement(r).name for r in project["dependencies"]) == [
+        "hydra-core", "numpy", "omegaconf", "scikit-learn", "tensorboard", "torch", "tqdm"]
+    assert project["optional-dependencies"]["all"] == [
+        "gradsync[search,slurm,joblib,plots,hf,mlflow,wandb]"]
+    assert "hydra-optuna-sweeper" not in pins
     torch = next(r for r in wanted if r.name == "torch")
     assert all(torch.specifier.contains(v) for v in ("2.11.0", "2.13.0"))
     assert pins["torch"] == "2.13.0"
@@ -524,3 +532,30 @@ def test_a_renamed_option_answers_its_old_name_with_the_new_one(old, tmp_path, m
     node[key] = yaml.safe_load(value)
     with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
         preflight(plain)
+
+
+def test_an_option_an_extra_provides_is_one_line_naming_the_extra(monkeypatch):
+    """hydra/launcher=joblib, slurm, slurm_local without their Hydra plugins (gradsync[joblib],
+    gradsync[slurm]): Hydra's missing option, named with the extra to install."""
+    import importlib.util
+
+    from hydra.errors import MissingConfigException
+
+    from gradsync.config.errors import one_line
+
+    def missing(where: str) -> MissingConfigException:
+        return MissingConfigException("not found", missing_cfg_file=where, options=["basic"])
+
+    assert one_line(missing("hydra/launcher/joblib")).startswith(
+        "hydra/launcher=joblib: no such option")  # installed: another cause, said as it is
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith(
+        ("hydra_plugins.hydra_joblib", "hydra_plugins.hydra_submitit")) else find_spec(name, *a))
+    assert one_line(missing("hydra/launcher/joblib")) == (
+        "hydra/launcher=joblib needs hydra-joblib-launcher: pip install 'gradsync[joblib]'")
+    assert one_line(missing("hydra/launcher/submitit_slurm")) == (
+        "hydra/launcher=slurm needs hydra-submitit-launcher: pip install 'gradsync[slurm]'")
+    assert one_line(missing("hydra/launcher/submitit_local")) == (
+        "hydra/launcher=slurm_local needs hydra-submitit-launcher: pip install "
+        "'gradsync[slurm]'")
+    assert one_line(missing("model/cnn")) == "model=cnn: no such option; choose one of: basic"

@@ -107,10 +107,16 @@ ACCUM = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def accum_sweep(tmp_path_factory, cli_env_module):
-    sweep_dir = tmp_path_factory.mktemp("accum") / "sweep"
+    """Logging to MLflow (its local file store) and W&B (offline) besides TensorBoard: their
+    stores outside the sweep dir (test_a_sweep_logs_a_parent_run_with_a_child_per_job)."""
+    top = tmp_path_factory.mktemp("accum")
+    sweep_dir = top / "sweep"
     proc = multirun(sweep_dir, "experiment=accum_sweep", "data=synthetic",
                     "schedule.accum_steps=" + ",".join(map(str, ACCUM)), "trainer.max_steps=2",
-                    "trainer.log_every=1", env=cli_env_module)
+                    "trainer.log_every=1", "logger=[tensorboard,mlflow,wandb]",
+                    f"logger.mlflow.tracking_uri={(top / 'mlruns').as_uri()}",
+                    "logger.wandb.mode=offline", f"logger.wandb.dir={top / 'wb'}",
+                    env=cli_env_module)
     assert proc.returncode == 0, proc.stderr
     return sweep_dir, proc
 
@@ -429,3 +435,71 @@ def test_a_job_lost_without_an_outcome_is_a_failed_row_and_the_sweep_names_it(tm
     assert [(r["seed"], r["status"], r["error"]) for r in rows] == [
         ("0", "failed", sweep.LOST), ("1", "failed", "run dir in use: busy")]
     assert "2 jobs: 0 completed, 2 failed." in result.markdown
+
+
+@pytest.mark.slow
+def test_a_sweep_logs_a_parent_run_with_a_child_per_job(accum_sweep, monkeypatch):
+    """MLflow: a parent run for the sweep (its summary as artifacts, the job counts), each job's
+    run its child (mlflow.parentRunId) with one train/loss point per metrics.jsonl row, read
+    back with MlflowClient at the URI summary.json names; W&B: the jobs' runs and a run of the
+    sweep in one group."""
+    from mlflow.tracking import MlflowClient
+
+    from test_trackers import jsonl, wandb_run
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store, as gradsync does
+    sweep_dir, _ = accum_sweep
+    parents = json.loads((sweep_dir / "trackers.json").read_text())
+    parent = parents["mlflow"]
+    client = MlflowClient(tracking_uri=parent["uri"])
+    run = client.get_run(parent["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["gradsync.sweep_dir"] == str(sweep_dir)
+    assert {k: run.data.metrics[f"jobs_{k}"] for k in ("total", "completed", "failed")} == {
+        "total": 3, "completed": 3, "failed": 0}
+    assert sorted(a.path for a in client.list_artifacts(parent["run_id"])) == [
+        "sweep_summary.csv", "sweep_summary.md"]
+    children = client.search_runs([parent["experiment_id"]],
+                                  f"tags.mlflow.parentRunId = '{parent['run_id']}'")
+    made = [summaries(sweep_dir, 3)[j]["trackers"] for j in range(3)]
+    assert sorted(c.info.run_id for c in children) == sorted(m["mlflow"]["run_id"] for m in made)
+    for j, m in enumerate(made):
+        assert m["mlflow"]["uri"] == parent["uri"]
+        rows = jsonl(sweep_dir / str(j) / "metrics.jsonl")
+        history = MlflowClient(tracking_uri=m["mlflow"]["uri"]).get_metric_history(
+            m["mlflow"]["run_id"], "train/loss")
+        assert [(h.step, h.value) for h in history] == [(r["window"], r["loss"]) for r in rows]
+        assert client.get_run(m["mlflow"]["run_id"]).data.params["schedule.accum_steps"] == \
+            str(ACCUM[j])
+    # W&B: one group; the jobs' runs (train) and the sweep's (sweep), each its own offline run
+    wb = parents["wandb"]
+    group = wb["group"]
+    sweep_run = wandb_run(Path(wb["uri"]))
+    assert (sweep_run["id"], sweep_run["group"], sweep_run["job_type"]) == (
+        wb["run_id"], group, "sweep")
+    assert sweep_run["summary"]["jobs_completed"] == 3
+    for j, m in enumerate(made):
+        job = wandb_run(Path(m["wandb"]["uri"]))
+        assert (job["id"], job["group"], job["job_type"]) == (m["wandb"]["run_id"], group,
+                                                              "train")
+        assert job["config"]["gradsync.sweep_parent"] == wb["run_id"]
+        rows = jsonl(sweep_dir / str(j) / "metrics.jsonl")
+        assert [(h["_step"], h["train/loss"]) for h in job["history"]] == [
+            (r["window"], r["loss"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_a_sweep_summary_without_matplotlib_says_so_in_one_line(accum_sweep, monkeypatch,
+                                                                 tmp_path, capsys):
+    """gradsync[plots] missing: the summary is written, the plots are not, one line says why."""
+    import shutil
+
+    sweep_dir, _ = accum_sweep
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep_dir, copy, ignore=shutil.ignore_patterns("*.png", "checkpoints"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = sweep.write_summary(copy)
+    assert result.jobs == 3 and (copy / "sweep_summary.md").exists()
+    assert not list(copy.glob("*.png"))
+    assert capsys.readouterr().err.splitlines() == [
+        "gradsync: sweep: no plots: a sweep's plots (sweep.png) needs matplotlib: pip install "
+        "'gradsync[plots]'"]

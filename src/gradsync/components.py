@@ -39,6 +39,19 @@ def require(ok: bool, key: str, allowed: str, got: Any) -> None:
         raise ConfigError(f"{key}={got!r} is not allowed: {allowed}")
 
 
+def require_extra(module: str, extra: str, what: str) -> Any:
+    """``module`` imported, or ConfigError in one line naming the extra that installs it
+    (pyproject.toml [project.optional-dependencies]): ``what`` needs ``module``: pip install
+    'gradsync[extra]'. A module that is there but fails to import is reported as what it is."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or module.split(".")[0] != e.name.split(".")[0]:
+            raise  # the module is there; something it imports is not
+        raise ConfigError(f"{what} needs {module.split('.')[0]}: pip install "
+                          f"'gradsync[{extra}]'") from None
+
+
 def kind_of(obj: Any) -> str:
     """What a component returned, for messages: None, a list, a Linear..."""
     return "None" if obj is None else f"a {type(obj).__qualname__}"

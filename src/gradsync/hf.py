@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.components import CheckContext, ConfigError, checks, locate, require
+from gradsync.components import CheckContext, ConfigError, checks, locate, require, require_extra
 
 # model=hf_llama's default: a 2-layer Llama of width 32 (conf/model/hf_llama.yaml states it)
 TINY_LLAMA: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -26,12 +26,7 @@ FROM_DATA = {"vocab_size": "vocab_size", "max_position_embeddings": "max_len"}
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model: a Hugging Face model needs transformers: pip install "
-                          "'gradsync[hf]'") from None
-    return transformers
+    return require_extra("transformers", "hf", "model: a Hugging Face model")
 
 
 def _config_class(path: str) -> Any:

@@ -6,6 +6,7 @@ full_key, object_type, msg), never from their text."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +26,17 @@ from gradsync.config.renames import renamed
 from gradsync.config.validate import RUNTIME, runtime_arguments
 
 E = TypeVar("E", bound=BaseException)
+
+# Options an extra provides (pyproject.toml): the option a user names, the module that provides
+# it, its package, the extra. conf/hydra/launcher/slurm*.yaml extend submitit's own options.
+EXTRA_OPTIONS = {
+    "hydra/launcher/joblib": ("joblib", "hydra_plugins.hydra_joblib_launcher",
+                              "hydra-joblib-launcher", "joblib"),
+    "hydra/launcher/submitit_slurm": ("slurm", "hydra_plugins.hydra_submitit_launcher",
+                                      "hydra-submitit-launcher", "slurm"),
+    "hydra/launcher/submitit_local": ("slurm_local", "hydra_plugins.hydra_submitit_launcher",
+                                      "hydra-submitit-launcher", "slurm"),
+}
 
 
 def first_line(text: str) -> str:
@@ -52,6 +64,10 @@ def one_line(exc: BaseException, argv: Sequence[str] = (),
     where = getattr(missing, "missing_cfg_file", None) or ""
     if missing is not None and "/" in where:
         group, _, option = where.rpartition("/")
+        extra = EXTRA_OPTIONS.get(f"{group}/{option}")
+        if extra is not None and importlib.util.find_spec(extra[1]) is None:
+            return (f"{group}={extra[0]} needs {extra[2]}: pip install "
+                    f"'gradsync[{extra[3]}]'")
         return (f"{group}={option}: no such option; choose one of: "
                 f"{', '.join(missing.options or [])}")
     oc = in_chain(exc, OmegaConfBaseException)

@@ -47,11 +47,90 @@ class Config:
     lr_scaling: Any = MISSING
     seed: int = 0
     resume: str = "none"  # none | auto | a checkpoint file or run dir
+    logger: Any = None  # experiment trackers by name (conf/logger/; train/trackers.py)
 
 
 # hydra/sweeper=optuna's class (a search: run/search.py); Hydra takes sweepers from
 # hydra_plugins only
 SEARCH_SWEEPER = "hydra_plugins.gradsync_search.OptunaSearch"
+
+
+# hydra/sweeper/sampler=<name>: Optuna's samplers (a null setting: the sampler's own default)
+@dataclass
+class TPESampler:
+    _target_: str = "optuna.samplers.TPESampler"
+    seed: int | None = None
+    n_startup_trials: int = 10  # random trials before TPE models the others
+    n_ei_candidates: int = 24
+    multivariate: bool | None = None
+    group: bool = False
+    constant_liar: bool | None = None  # trials asked at once (n_jobs > 1) avoid each other
+    consider_endpoints: bool | None = None
+    prior_weight: float | None = None
+
+
+@dataclass
+class RandomSampler:
+    _target_: str = "optuna.samplers.RandomSampler"
+    seed: int | None = None
+
+
+@dataclass
+class CmaEsSampler:
+    _target_: str = "optuna.samplers.CmaEsSampler"
+    seed: int | None = None
+    n_startup_trials: int = 1
+    sigma0: float | None = None
+    popsize: int | None = None
+    use_separable_cma: bool = False
+    with_margin: bool = False
+    lr_adapt: bool = False
+
+
+@dataclass
+class NSGAIISampler:
+    _target_: str = "optuna.samplers.NSGAIISampler"
+    seed: int | None = None
+    population_size: int = 50
+    mutation_prob: float | None = None
+    crossover_prob: float = 0.9
+    swapping_prob: float = 0.5
+
+
+@dataclass
+class QMCSampler:
+    _target_: str = "optuna.samplers.QMCSampler"
+    seed: int | None = None
+    qmc_type: str = "sobol"
+    scramble: bool = False
+
+
+# motpe: Optuna 3 folded MOTPESampler into TPESampler (several objectives: MOTPE's algorithm)
+SAMPLERS = {"tpe": TPESampler, "random": RandomSampler, "cmaes": CmaEsSampler,
+            "nsgaii": NSGAIISampler, "qmc": QMCSampler, "motpe": TPESampler}
+
+
+@dataclass
+class SearchConf:
+    """hydra/sweeper=optuna: gradsync's search (run/search.py; docs/sweeps.md)."""
+
+    _target_: str = SEARCH_SWEEPER
+    _recursive_: bool = False  # the sampler is built by the search (optuna: an extra)
+    defaults: list[Any] = field(default_factory=lambda: [{"sampler": "tpe"}])
+    sampler: Any = MISSING
+    # the sweep summary's value(s) to optimise: eval_loss, or [eval_loss,allreduce_bytes]
+    objective: Any = "eval_loss"
+    direction: Any = "minimize"  # minimize | maximize, or a list: one per objective
+    # a shared database holds several sweeps' studies
+    storage: Any = "sqlite:///${hydra.sweep.dir}/study.db"
+    # null: the sweep's own (its dir's name and a hash of its path; a restart of the sweep
+    # finds it again in <sweep dir>/optuna.json), so two searches never share a study unless
+    # given one name
+    study_name: str | None = None
+    n_trials: int = 20  # in the study, counting those an earlier start of this sweep ran
+    n_jobs: int = 1  # trials asked at once (hydra/launcher=joblib runs them in parallel)
+    # the search space: {key: choice(...) | range(...) | interval(...) | a fixed value}
+    params: dict[str, str] | None = None
 
 
 def register_configs() -> None:
@@ -60,34 +139,18 @@ def register_configs() -> None:
     for group, options in SCHEMA_GROUPS.items():
         for option, cls in options.items():
             cs.store(group=f"schema/{group}", name=option, node=cls)
-    # hydra/sweeper=optuna: gradsync's search (run/search.py) in place of the plugin's own, its
-    # settings and an objective; stored after Hydra's plugin scan, which runs each plugin's
-    # module (storing its nodes) once per process
+    # hydra/sweeper=optuna: gradsync's search; composes without optuna installed (the search
+    # refuses to start without it, in one line naming gradsync[search])
+    cs.store(group="hydra/sweeper", name="optuna", node=SearchConf, provider="gradsync")
+    for name, sampler in SAMPLERS.items():
+        cs.store(group="hydra/sweeper/sampler", name=name, node=sampler, provider="gradsync")
     from hydra.core.plugins import Plugins
 
-    try:
-        from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
-    except ImportError:  # a Python without the search's packages (gpu-check's): no search
-        return
     from hydra_plugins.gradsync_search import OptunaSearch
 
     # registered by hand too: Hydra's scan of the hydra_plugins namespace (pkgutil) does not
     # list a package that an editable install (`make install`, pip install -e) maps there
     Plugins.instance().register(OptunaSearch)
-
-    @dataclass
-    class SearchConf(OptunaSweeperConf):
-        _target_: str = SEARCH_SWEEPER
-        # the sweep summary's value(s) to optimise: eval_loss, or [eval_loss,allreduce_bytes]
-        objective: Any = "eval_loss"
-        direction: Any = "minimize"  # minimize | maximize, or a list: one per objective
-        # a shared database holds several sweeps' studies (distinct study_name)
-        storage: Any = "sqlite:///${hydra.sweep.dir}/study.db"
-        study_name: str | None = "gradsync"  # stable: the same command continues the study
-        n_trials: int = 20  # in the study, counting those an earlier start of this sweep ran
-        n_jobs: int = 1  # trials asked at once (hydra/launcher=joblib runs them in parallel)
-
-    cs.store(group="hydra/sweeper", name="optuna", node=SearchConf, provider="gradsync")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

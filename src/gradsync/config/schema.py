@@ -389,6 +389,12 @@ class RunConfig:
     lr_scaling: LRScalingConfig
     seed: int
     resume: str  # none, or the checkpoint to start from (the job resolves auto to a path)
+    # the experiment trackers by name (logger=tensorboard | csv | mlflow | wandb, or a list:
+    # train/trackers.py); what a run logs to, not what it computes: outside the config hash
+    logger: dict[str, Component] = field(default_factory=dict)
+    # a sweep's job: the sweep dir (its trackers' parent runs: <sweep dir>/trackers.json); set
+    # by the entry point, not a config key
+    sweep_dir: str | None = None
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> RunConfig:
@@ -402,7 +408,8 @@ class RunConfig:
             plain = plain | {"data": {k: v for k, v in data.items() if k != "micro_batch_size"},
                              "schedule": plain["schedule"] | {
                                  "micro_batch_size": data["micro_batch_size"]}}
-        return cls(**{k: Component.from_node(plain[k]) for k in COMPONENTS},
+        components: dict[str, Any] = {k: Component.from_node(plain[k]) for k in COMPONENTS}
+        return cls(**components,
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),
                    precision=typed(PrecisionConfig, plain["precision"]),
                    trainer=typed(TrainerConfig, plain["trainer"]),
@@ -411,7 +418,9 @@ class RunConfig:
                    noise_scale=typed(NoiseScaleConfig, plain["noise_scale"]),
                    loss=typed(LossConfig, plain["loss"]),
                    lr_scaling=typed(LRScalingConfig, plain["lr_scaling"]),
-                   seed=plain["seed"], resume=plain["resume"])
+                   seed=plain["seed"], resume=plain["resume"],
+                   logger={name: Component.from_node(node)
+                           for name, node in (plain.get("logger") or {}).items()})
 
     @property
     def micro_batch_size(self) -> int:
@@ -423,7 +432,8 @@ class RunConfig:
         for group in ("schedule", "precision", "trainer", "compile", "noise_scale", "loss",
                       "lr_scaling"):
             out[group] = asdict(getattr(self, group))
-        return out | {"seed": self.seed, "resume": self.resume}
+        return out | {"seed": self.seed, "resume": self.resume,
+                      "logger": {name: c.node for name, c in self.logger.items()}}
 
 
 # The groups with a fixed shape, by option: Hydra's schemas (config/hydra.py) and the known-key
@@ -437,4 +447,4 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }
-TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "engine", "seed", "resume")  # a composed config's keys
+TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "engine", "seed", "resume", "logger")  # its keys

@@ -66,6 +66,10 @@ def check_shape(plain: dict[str, Any]) -> None:
     for group in COMPONENTS:
         require(isinstance(plain[group], dict) and "_target_" in plain[group], group,
                 "a _target_ (package.module.callable) and its keyword arguments", plain[group])
+    loggers = plain.get("logger") or {}
+    require(isinstance(loggers, dict) and all(
+        isinstance(node, dict) and "_target_" in node for node in loggers.values()), "logger",
+        "trackers by name, each a _target_ and its keyword arguments (conf/logger/)", loggers)
     micro = plain["schedule"].get("micro_batch_size")
     require(accepts(int, micro) and micro >= 1, "schedule.micro_batch_size", "an integer >= 1",
             micro)

@@ -1,5 +1,6 @@
 """The Hydra callback of a sweep (conf/config.yaml registers it under hydra.callbacks): the
-sweep owns its sweep dir while it runs, each job records itself and its outcome there, and the
+sweep owns its sweep dir while it runs, each job records itself and its outcome there, the
+sweep's experiment trackers get a parent run for its jobs' runs (train/trackers.py), and the
 sweep summary is written once the multirun ends (run/sweep.py)."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from gradsync.components import ConfigError, build, locate
 from gradsync.config.hydra import SEARCH_SWEEPER
 from gradsync.core.ranks import is_rank0
 from gradsync.run import sweep
 from gradsync.run.rundir import RunDirBusy
+from gradsync.train import trackers
 
 
 class SweepSummary(Callback):
@@ -39,6 +42,17 @@ class SweepSummary(Callback):
             print(f"gradsync: sweep dir in use: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         sweep.plan(sweep_dir, planned_jobs(config))
+        try:  # the parent runs of the jobs' runs (a search started again: its own)
+            earlier = trackers.read_file(sweep_dir) if _is_search(config) else {}
+            parents = {name: t.start_sweep(sweep_dir.absolute(), earlier.get(name))
+                       for name, t in _sweep_trackers(config).items()}
+        except ConfigError as e:  # an extra that is not installed, say
+            print(f"gradsync: config error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if parents:
+            trackers.write_file(sweep_dir, parents)
+        else:  # none now: an earlier sweep's parents there are not this one's
+            (sweep_dir / trackers.TRACKERS_FILE).unlink(missing_ok=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = _sweep_job(config)
@@ -49,7 +63,7 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         job = _sweep_job(config)
         if job:  # what the job returned, or the exception it raised
-            sweep.job_ended(*job, job_return._return_value)
+            sweep.job_ended(*job, sweep.job_value(job_return))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -60,6 +74,18 @@ class SweepSummary(Callback):
             sys.exit(1)
         finally:
             sweep.release(sweep_dir)
+        parents = trackers.read_file(sweep_dir)
+        counts = {"total": result.jobs, "completed": result.jobs - result.failed,
+                  "failed": result.failed}
+        for name, tracker in _sweep_trackers(config).items():
+            if name in parents:
+                try:
+                    parents[name] = tracker.finish_sweep(parents[name], sweep_dir.absolute(),
+                                                         counts)
+                    trackers.write_file(sweep_dir, parents)
+                except Exception as e:  # the summary stands; the tracker says what it lacks
+                    print(f"gradsync: sweep: logger.{name}'s sweep run not finished: "
+                          f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         print(f"\n{result.markdown}", flush=True)
         if result.failed:
             print(result.failure_line(sweep_dir), file=sys.stderr, flush=True)
@@ -103,3 +129,12 @@ def _is_search(config: DictConfig) -> bool:
     """A search (run/search.py) may continue its study: its jobs' records stay."""
     target = str(config.hydra.sweeper.get("_target_", ""))
     return target == SEARCH_SWEEPER
+
+
+def _sweep_trackers(config: DictConfig) -> dict[str, Any]:
+    """The sweep's trackers that keep a run of the sweep (start_sweep, finish_sweep: MLflow's
+    parent run, W&B's group), built from its logger group."""
+    nodes = OmegaConf.to_container(config.get("logger") or {}, resolve=True)
+    assert isinstance(nodes, dict)
+    return {str(name): build(node) for name, node in nodes.items()
+            if hasattr(locate(node["_target_"], f"logger.{name!s}._target_"), "start_sweep")}

@@ -59,6 +59,7 @@ from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_nam
 from gradsync.train.checkpoint import ResumeError, resolve_resume
 from gradsync.train.metrics import final_metrics, flat_hparams, write_hparams
 from gradsync.train.repro import run_info, write_run_info
+from gradsync.train.trackers import TENSORBOARD
 
 
 def register_resolvers() -> None:
@@ -135,6 +136,8 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         if _traceback_wanted():
             raise
         return _refuse(mode, run_dir, claim, "config error", _config_message(e))
+    if mode == RunMode.MULTIRUN:  # its trackers' parent runs are the sweep's
+        cfg.sweep_dir = str(HydraConfig.get().sweep.dir)
     try:
         cfg.resume = _resolve_resume(cfg, placement, run_dir)
     except ResumeError as e:
@@ -199,8 +202,9 @@ def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: 
             run_summary.stopped(run_dir, summary, cfg.trainer.requeue)
         finally:
             _end_sweep(summary["stopped_by"])
-    write_hparams(run_dir / "tb", flat_hparams(cfg.to_plain()), final_metrics(summary),
-                  summary["optimizer_steps"])
+    if any(c.target == TENSORBOARD for c in cfg.logger.values()):  # the HParams tab's row
+        write_hparams(run_dir / "tb", flat_hparams(cfg.to_plain()), final_metrics(summary),
+                      summary["optimizer_steps"])
     run_summary.report(run_dir, summary)
     return summary
 
@@ -332,7 +336,8 @@ def main() -> None:
         if user_wants_traceback:
             raise
         message = str(e) if isinstance(e, ConfigError) else one_line(e, sys.argv[1:], hydra_main)
-        print(f"gradsync: config error: {first_line(message)}", file=sys.stderr)
+        kind = getattr(e, "kind", "config error")  # e.g. the search's: "search refused"
+        print(f"gradsync: {kind}: {first_line(message)}", file=sys.stderr)
         sys.exit(2)
     finally:
         if scratch is not None:

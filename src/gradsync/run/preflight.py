@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gradsync.components import (
@@ -92,6 +93,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     ctx.provided["parameters"] = lambda: parameter_infos(model)
     for group in ("sync", "optimizer", "lr_scheduler"):
         check(group, plain[group], RUNTIME[group], replace(ctx, group=group))
+    check_trackers(plain.get("logger") or {})
     cfg.loss.check(data.unit, cfg.data.target)
     optimizer = check_optimizer(plain["optimizer"])
     local_samples = -(-len(data.train) // world)  # type: ignore[arg-type]
@@ -99,6 +101,22 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
         build_schedule(cfg.schedule, world), cfg.trainer.max_epochs,
         cfg.trainer.max_steps, local_samples, cfg.micro_batch_size))
     return model, check_policy(cfg, world)
+
+
+def check_trackers(loggers: dict[str, Any]) -> None:
+    """Each experiment tracker (logger.<name>) against its signature and its own check (an
+    extra that is not installed: one line naming it), built as the worker builds it: a
+    train/trackers.py Tracker (start, log, flush, finish)."""
+    from gradsync.train.trackers import Tracker
+
+    for name, node in loggers.items():
+        group = f"logger.{name}"
+        check(group, node, (), CheckContext(group))
+        tracker = built(group, node["_target_"], partial(build, node))
+        if not all(callable(getattr(tracker, m, None)) for m in ("start", "log", "finish")):
+            raise ConfigError(f"{group} ({node['_target_']}): returned {kind_of(tracker)}, "
+                              f"which is no tracker (train/trackers.py {Tracker.__name__}: "
+                              "start, log, flush, finish)")
 
 
 def built(group: str, target: str, make: Callable[[], Any]) -> Any:

@@ -224,8 +224,12 @@ def report(run_dir: Path, s: dict[str, Any]) -> None:
           f"  steps={s['optimizer_steps']} samples={s['samples_seen']} "
           f"final_train_loss={s['final_train_loss']:.4f} {evals} "
           f"samples/s={s['samples_per_s']:.0f} wall_s={s['wall_s']:.1f}\n"
-          f"  {wire(s)}\n"
-          f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+          f"  {wire(s)}", flush=True)
+    if (run_dir / "tb").is_dir():  # logger=tensorboard
+        print(f"  TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+    for name, made in (s.get("trackers") or {}).items():  # logger=mlflow, wandb: their runs
+        if made.get("run_id"):
+            print(f"  {name}: run {made['run_id']} at {made['uri']}", flush=True)
 
 
 def run_dir_override(run_dir: Path) -> str:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from gradsync.components import ConfigError, require_extra
 from gradsync.core import numerics
 from gradsync.core.files import write_json_atomic
 from gradsync.core.progress import progress
@@ -218,11 +218,9 @@ class Study:
 
 
 def import_optuna() -> Any:
-    """optuna (a search's), without SQLAlchemy's warning that optuna 2's storage uses APIs that
-    SQLAlchemy 2 dropped (requirements.lock pins SQLAlchemy 1.4), and without its INFO lines."""
-    os.environ.setdefault("SQLALCHEMY_SILENCE_UBER_WARNING", "1")
-    import optuna
-
+    """optuna (a search's: gradsync[search], or one line naming it), without its INFO lines."""
+    optuna = require_extra("optuna", "search", "hydra/sweeper=optuna (a search)")
+    require_extra("sqlalchemy", "search", "hydra/sweeper=optuna (a search)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 
@@ -269,6 +267,15 @@ def _record(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str],
     (sweep_dir / JOBS).mkdir(exist_ok=True)
     write_json_atomic(sweep_dir / JOBS / f"{num}.json", {
         "num": num, "dir": where, "overrides": overrides, **outcome})
+
+
+def job_value(ret: Any) -> Any:
+    """What a job returned (its summary), or the exception it raised: a Hydra JobReturn's
+    outcome through its public return_value (which raises a failed job's exception)."""
+    try:
+        return ret.return_value
+    except BaseException as e:  # the job's own exception, kept as its outcome
+        return e
 
 
 def job_started(sweep_dir: Path, num: int, job_dir: Path, overrides: list[str]) -> None:
@@ -543,8 +550,8 @@ def _study_lines(study: Study, rows: list[dict[str, Any]]) -> list[str]:
         values = ", ".join(f"{o} {v:.6g}" for o, v in zip(study.objectives, trial.values,
                                                           strict=True))
         what = "Best trial" if len(study.objectives) == 1 else "On the Pareto front: trial"
-        lines.append(f"{what} {trial.number} (job {job}, {by_job[job]['dir']}): {params}: "
-                     f"{values}.")
+        where = by_job[job]["dir"] if job in by_job else "no record of its job"
+        lines.append(f"{what} {trial.number} (job {job}, {where}): {params}: {values}.")
     if not study.best:
         lines.append("No trial completed: no best trial.")
     return lines
@@ -593,7 +600,9 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
               "Per-rank counters are rank 0's; peak memory is the largest rank's. Loss against "
               "samples, bytes sent and seconds: sweep.png. Every column (all-reduce calls and "
               "bytes, reduce-scatter and all-gather bytes, peak RSS, training seconds...): "
-              f"sweep_summary.csv. HParams: `tensorboard --logdir {sweep_dir}`.", ""]
+              "sweep_summary.csv."
+              + (f" HParams: `tensorboard --logdir {sweep_dir}`."  # logger=tensorboard's
+                 if any((job.dir / "tb").is_dir() for job in jobs) else ""), ""]
     return "\n".join(lines)
 
 
@@ -806,10 +815,15 @@ def write_summary(sweep_dir: Path, target_loss: float | None = None) -> SweepRes
         writer.writerows(rows)
     text = markdown(sweep_dir, jobs, columns, rows, target, target_loss is not None, study)
     (sweep_dir / "sweep_summary.md").write_text(text)
-    plot(jobs, sweep_dir / "sweep.png", target)
-    plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
-    if any(job.noise for job in jobs):
-        plot_noise(jobs, sweep_dir / "noise_scale.png")
+    try:
+        require_extra("matplotlib", "plots", "a sweep's plots (sweep.png)")
+    except ConfigError as e:  # the summary stands without them
+        print(f"gradsync: sweep: no plots: {e}", file=sys.stderr, flush=True)
+    else:
+        plot(jobs, sweep_dir / "sweep.png", target)
+        plot_memory(rows, sweep_dir / "memory.png", swept_keys(jobs))
+        if any(job.noise for job in jobs):
+            plot_noise(jobs, sweep_dir / "noise_scale.png")
     failed = [r["job"] for r in rows if r["status"] != "completed"]
     return SweepResult(len(rows), len(failed), text, failed)
 

@@ -44,7 +44,7 @@ from gradsync.train import checkpoint, lr_scaling, sharded_checkpoint
 from gradsync.train import noise_scale as noise
 from gradsync.train import state as trainstate
 from gradsync.train.loop import Parts, Progress, train
-from gradsync.train.metrics import RunLog
+from gradsync.train.metrics import RunLog, tracking_of
 from gradsync.train.normalize import build_normalizer, resolve, shared_steps
 from gradsync.train.precision import build_precision
 from gradsync.train.repro import prepare_cuda_determinism, record_numerics, set_deterministic
@@ -185,7 +185,8 @@ def run_training(cfg: RunConfig, run_dir: Path,
                             "continuation is not bitwise the uninterrupted run "
                             "(docs/reproducibility.md)", "; ".join(differ))
         run_log = RunLog(run_dir, active=is_rank0(), total_steps=p.total_steps,
-                         progress_bar=tr.progress_bar, start_window=state.windows)
+                         progress_bar=tr.progress_bar, start_window=state.windows,
+                         **(tracking_of(cfg) if is_rank0() else {}))
         try:
             p.engine.memory.start()
             state = train(p, state, run_log)
@@ -200,6 +201,7 @@ def run_training(cfg: RunConfig, run_dir: Path,
                            checkpoint=str(newest[0]) if newest else None,
                            resumed_from=str(resumed_from) if resumed_from else None,
                            resumed_numerics_differ=differ if resumed_from else None)
+            summary["trackers"] = run_log.finish(summary)  # each tracker's uri and run id
             if p.stop.agreed:
                 log.info("stopped by %s after optimizer step %d", summary["stopped_by"],
                          state.step)

@@ -321,10 +321,10 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
 
 
 # Whatever a checkpoint's state depends on: only trainer.* (more steps or epochs, cadences,
-# threads...), engine.* (the engine, within its kind: refuse_incompatible), compile.* and
-# noise_scale.* (once all trainer.*) may change, and the world size may not (each rank's data
-# share and RNG stream).
-MAY_CHANGE = ("trainer.", "engine.", "compile.", "noise_scale.", "resume")
+# threads...), engine.* (the engine, within its kind: refuse_incompatible), compile.*,
+# noise_scale.* (once all trainer.*) and logger.* (the trackers) may change, and the world size
+# may not (each rank's data share and RNG stream).
+MAY_CHANGE = ("trainer.", "engine.", "compile.", "noise_scale.", "resume", "logger.")
 
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],

@@ -1,14 +1,17 @@
-"""What a run records, written by rank 0 only: TensorBoard scalars under tb/, one JSON line per
-optimizer step in metrics.jsonl, one per evaluation in evals.jsonl, and summary.json at the
+"""What a run records, written by rank 0 only: one JSON line per optimizer step in metrics.jsonl,
+one per evaluation in evals.jsonl, every metric to the run's experiment trackers (the `logger`
+group, train/trackers.py: TensorBoard scalars under tb/ by default), and summary.json at the
 end. Other ranks get a RunLog that writes nothing, so the loop never asks which rank it is."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from gradsync.core.files import replacing
+from gradsync.train import trackers as tracking
 
 
 def keep_rows_through(path: Path, window: int) -> None:
@@ -26,39 +29,85 @@ def keep_rows_through(path: Path, window: int) -> None:
         f.write("".join(kept))
 
 
+# a metrics.jsonl row's fields that trackers with every_row get at the row's window
+PER_ROW = {"train/loss": "loss", "train/lr": "lr"}
+
+
 class RunLog:
-    """Rank 0's writer; ``RunLog(run_dir, active=False)`` on the other ranks."""
+    """Rank 0's writer; ``RunLog(run_dir, active=False)`` on the other ranks. trackers: the
+    run's experiment trackers by name (None: TensorBoard alone, the default logger), started
+    with params (the config, flat) and, in a sweep, the sweep's parent runs by tracker name."""
 
     def __init__(self, run_dir: Path, active: bool, total_steps: int = 0,
-                 progress_bar: bool = False, start_window: int = 0):
+                 progress_bar: bool = False, start_window: int = 0,
+                 trackers: dict[str, tracking.Tracker] | None = None,
+                 params: dict[str, Any] | None = None,
+                 parents: dict[str, Any] | None = None):
         self.active = active
         self.run_dir = run_dir
-        self.tb: Any = None
         self.jsonl: Any = None
         self.eval_jsonl: Any = None
         self.bar: Any = None
+        self.trackers: dict[str, tracking.Tracker] = {}
+        self.info: dict[str, Any] = {}  # what each tracker made: summary.json's "trackers"
+        self.pending: dict[int, dict[str, float]] = {}  # every_row trackers' metrics by step
+        self.finished = False
         if not active:
             return
-        from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
-
+        run_dir.mkdir(parents=True, exist_ok=True)
         # A run continued from window w drops what an earlier attempt logged after w.
         keep_rows_through(run_dir / "metrics.jsonl", start_window)
         keep_rows_through(run_dir / "evals.jsonl", start_window)
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_window + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.eval_jsonl = open(run_dir / "evals.jsonl", "a", buffering=1)
+        chosen = {"tensorboard": tracking.TensorBoard()} if trackers is None else trackers
+        previous = tracking.read_file(run_dir)
+        try:
+            for name, tracker in chosen.items():
+                self.info[name] = tracker.start(tracking.RunInfo(
+                    run_dir, params or {}, start_window, previous.get(name),
+                    (parents or {}).get(name)))
+                self.trackers[name] = tracker
+        except BaseException:  # the ones that started end as failed; the error is the run's
+            self.ordered = []
+            self._end_failed()
+            raise
+        finally:
+            tracking.write_file(run_dir, self.info)  # a resumed run continues these runs
+        self.ordered = [t for t in self.trackers.values() if t.every_row]
+        self.direct = [t for t in self.trackers.values() if not t.every_row]
         if progress_bar:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_window, desc="train", unit="step",
                             dynamic_ncols=True, mininterval=0.5)
 
+    def _hold(self, step: int, values: dict[str, float]) -> None:
+        if values and self.ordered:
+            self.pending.setdefault(step, {}).update(values)
+
+    def _release(self, below: float) -> None:
+        """The held metrics of the steps below `below`, in step order (the rows of a log point
+        come after scalars of their windows, and a tracker such as W&B takes steps in order
+        only)."""
+        steps = sorted(s for s in self.pending if s < below)
+        for step in steps:
+            metrics = self.pending.pop(step)
+            for tracker in self.ordered:
+                tracker.log(metrics, step)
+        if steps:
+            for tracker in self.ordered:
+                tracker.flush()
+
     def steps(self, rows: list[dict[str, Any]]) -> None:
         """One row per optimizer step (written in batches at log points)."""
         if not self.active:
             return
+        if rows:
+            self._release(rows[0]["window"])
         for row in rows:
             self.jsonl.write(json.dumps(row) + "\n")
+            self._hold(row["window"], {k: row[f] for k, f in PER_ROW.items() if f in row})
         if self.bar is not None and rows:
             self.bar.update(len(rows))
 
@@ -71,22 +120,61 @@ class RunLog:
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.active:
             return
-        for key, value in values.items():
-            self.tb.add_scalar(key, value, step)
+        for tracker in self.direct:
+            tracker.log(values, step)
+        self._hold(step, {k: v for k, v in values.items() if k not in PER_ROW})
         if self.bar is not None:
             shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in values.items()
                      if k in ("train/loss", "perf/samples_per_s", "eval/accuracy", "eval/loss")}
             self.bar.set_postfix(shown, refresh=False)
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The run's summary to every tracker (its final metrics, its status), which ends their
+        runs; returns what each tracker made (uri, run_id), for summary.json."""
+        if not self.active or self.finished:
+            return dict(self.info)
+        self._release(math.inf)
+        final = final_metrics(summary) if summary.get("status") != "failed" else {}
+        self.finished = True
+        for tracker in self.trackers.values():
+            tracker.finish(summary, final)
+        return dict(self.info)
 
     def close(self) -> None:
         if not self.active:
             return
         if self.bar is not None:
             self.bar.close()
-        self.tb.flush()
-        self.tb.close()
-        self.jsonl.close()
-        self.eval_jsonl.close()
+        try:
+            self._end_failed()
+        finally:
+            self.jsonl.close()
+            self.eval_jsonl.close()
+
+    def _end_failed(self) -> None:
+        """A run that failed: its trackers' runs end as failed, as far as they can (the run's
+        own error is what counts)."""
+        if self.finished:
+            return
+        self.finished = True
+        for step in (lambda: self._release(math.inf), *(
+                lambda t=t: t.finish(None, {}) for t in self.trackers.values())):
+            try:
+                step()
+            except Exception:
+                pass
+
+
+def tracking_of(cfg: Any) -> dict[str, Any]:
+    """RunLog's trackers, params and parents for a run's config (config/schema.py RunConfig):
+    its logger group's trackers built, the config flat (the logger left out), a sweep job's
+    parent runs (<sweep dir>/trackers.json)."""
+    from gradsync.components import build
+
+    plain = {k: v for k, v in cfg.to_plain().items() if k != "logger"}
+    return {"trackers": {name: build(c.node) for name, c in cfg.logger.items()},
+            "params": flat_hparams(plain),
+            "parents": tracking.read_file(Path(cfg.sweep_dir)) if cfg.sweep_dir else None}
 
 
 def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
