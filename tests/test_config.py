@@ -199,13 +199,14 @@ REFUSED = [
      "(AdamW divides by sqrt(v) + eps: with eps=0 a parameter whose gradients are 0 gets a NaN "
      "step)"),
     (["optimizer=adamw", "optimizer.betas=[0.9]"],
-     "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes tuple"),
+     "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes a list of 2 floats"),
     (["engine.bucket_cap_mb=0"], "engine.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
     # issue 26: values that reached the workers (tests/test_options.py covers every option)
     (["optimizer.fused=maybe"],
-     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes bool | None"),
+     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes true or false, or "
+     "null"),
     (["data.split_seed=-1"], "data.split_seed=-1 is not allowed: an integer >= 0"),
     (["trainer.timeout_s=100000000000000000000"],
      "trainer.timeout_s=100000000000000000000 is not allowed: an integer >= 1 (at most "

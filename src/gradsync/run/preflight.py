@@ -22,6 +22,7 @@ from gradsync.components import (
     kind_of,
     locate,
     parameters,
+    reason,
     require,
     require_fits,
 )
@@ -109,8 +110,7 @@ def built(group: str, target: str, make: Callable[[], Any]) -> Any:
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{group} ({target}) cannot be built: {type(e).__name__}: "
-                          f"{first_line(str(e))}") from None
+        raise ConfigError(f"{group} ({target}) cannot be built: {reason(e)}") from None
 
 
 def check_sizes(model_node: dict[str, Any], data_target: str, sizes: dict[str, int]) -> None:
