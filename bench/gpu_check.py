@@ -954,12 +954,13 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     from gradsync.components import build
     from gradsync.core.seeds import seed_everything
     from gradsync.run.main import compose_plain
+    from gradsync.train.weight_decay import build_optimizer
 
     cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])
     data = build(cfg["data"], {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes).to(torch.device(device))
-    return data, model, build(cfg["optimizer"])(model.parameters()), cfg
+    return data, model, build_optimizer(cfg["optimizer"], model, model.parameters()), cfg
 
 
 def synchronize() -> None:

@@ -22,8 +22,10 @@ from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.dtypes import DTYPES
 from gradsync.run.main import CONF_DIR, compose_plain
 from gradsync.run.preflight import preflight
+from gradsync.train import weight_decay
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
+from gradsync.train.weight_decay import build_optimizer
 
 register_configs()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
@@ -62,7 +64,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     x, y = (data.collate or default_collate)([data.train[i] for i in range(4)])
     sums, counts = data.loss(model(x), y)
     assert sums.shape == counts.shape == (4,) and (counts >= 1).all()
-    opt = build(cfg["optimizer"])(model.parameters())
+    opt = build_optimizer(cfg["optimizer"], model, model.parameters())
     assert type(opt).__name__.lower() == cfg["optimizer"]["_target_"].split(".")[-1].lower()
     assert opt.param_groups[0]["lr"] == cfg["optimizer"]["lr"]
     sched = build(cfg["lr_scheduler"], {"optimizer": opt, "total_steps": 10})
@@ -85,8 +87,11 @@ def test_a_gradsync_components_yaml_states_its_own_signature_defaults(group, opt
     """conf/ lists a component's keys so they can be overridden without '+', each a keyword of
     the callable; the values are gradsync's callable's own defaults (one source: the
     signature), or, for torch's optimizers, the values the YAML chooses, which reach the
-    optimizer as they are."""
+    optimizer as they are (an optimizer's no_decay is gradsync's: train/weight_decay.py)."""
     node = yaml.safe_load((Path(CONF_DIR) / group / f"{option}.yaml").read_text())
+    if group == "optimizer":
+        node, no_decay = weight_decay.split(node)
+        assert no_decay == ["bias", "norm"]  # nanoGPT's and HF Trainer's rule
     params = parameters(locate(node["_target_"]))
     keys = [k for k in node if not k.startswith("_")]
     assert set(keys) <= set(params), set(keys) - set(params)
@@ -317,7 +322,7 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
         preflight(cfg)
         torch.manual_seed(0)
         model = MLP(8, 4, [16], "tanh")
-        optim = build(cfg["optimizer"])(model.parameters())
+        optim = build_optimizer(cfg["optimizer"], model, model.parameters())
         assert optim.defaults["fused"] == fused
         g = torch.Generator().manual_seed(1)
         for _ in range(3):

@@ -28,12 +28,12 @@ from gradsync.components import (
 )
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import DATA_SIZES, RUNTIME, check_shape, first_line, validate
-from gradsync.data.contract import build_data, check_bundle
+from gradsync.data.contract import DataBundle, build_data, check_bundle
 from gradsync.engines import able, capabilities
-from gradsync.models import build_on_meta
+from gradsync.models import build_on_meta, check_call, model_call
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
-from gradsync.train import noise_scale
+from gradsync.train import noise_scale, weight_decay
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     the policy contract. Returns the model and the policy it built (for the checks after it)."""
     import torch
 
-    data_node, model_node = plain["data"], plain["model"]
+    data_node = plain["data"]
+    model_node, call = model_call(plain["model"])  # _forward_: how the loop calls the model
     ctx = CheckContext("", world, cfg.precision.name, provided={
         "allreduce": cfg.engine.allreduce,
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
@@ -85,21 +86,38 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
                           "torch.nn.Module")
+    check_call(model, call, *probe_batch(data), data.sizes, cfg.model.target)
     tensors = [*model.parameters(), *model.buffers()]
     require_fits(sum(t.numel() * t.element_size() for t in tensors),
                  f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
                  "parameters and buffers")
     # sync.groups: every rule must match one of the model's parameters
     ctx.provided["parameters"] = lambda: parameter_infos(model)
-    for group in ("sync", "optimizer", "lr_scheduler"):
-        check(group, plain[group], RUNTIME[group], replace(ctx, group=group))
+    optimizer_node, no_decay = weight_decay.split(plain["optimizer"])
+    weight_decay.check(no_decay, (n for n, _ in model.named_parameters()))
+    for group, node in (("sync", plain["sync"]), ("optimizer", optimizer_node),
+                        ("lr_scheduler", plain["lr_scheduler"])):
+        check(group, node, RUNTIME[group], replace(ctx, group=group))
     cfg.loss.check(data.unit, cfg.data.target)
-    optimizer = check_optimizer(plain["optimizer"])
+    optimizer = check_optimizer(optimizer_node)
     local_samples = -(-len(data.train) // world)  # type: ignore[arg-type]
     check_lr_scheduler(cfg.lr_scheduler.node, optimizer, total_optimizer_steps(
         build_schedule(cfg.schedule, world), cfg.trainer.max_epochs,
         cfg.trainer.max_steps, local_samples, cfg.micro_batch_size))
     return model, check_policy(cfg, world)
+
+
+def probe_batch(data: DataBundle) -> tuple[Any, Any]:
+    """A micro-batch of the data's shape for the model's check: token data's longest (two
+    sequences of max_len tokens), else the first two training samples, collated."""
+    import torch
+    from torch.utils.data import default_collate
+
+    if data.unit == "tokens" and "max_len" in data.sizes:
+        shape = (2, data.sizes["max_len"])
+        return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    samples = [data.train[i] for i in range(min(2, len(data.train)))]  # type: ignore[arg-type]
+    return (data.collate or default_collate)(samples)
 
 
 def built(group: str, target: str, make: Callable[[], Any]) -> Any:

@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from gradsync.config.schema import TrainerConfig
 from gradsync.data.loader import epoch_batches
 from gradsync.engines.base import Engine
+from gradsync.models import PLAIN_CALL, ModelCall
 from gradsync.sync.averaging import whole_model
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy, last_micro_batch
@@ -105,6 +106,7 @@ class Parts:
     micro_batch_size: int
     total_steps: int  # what max_epochs and max_steps allow: LR horizon, progress bar
     noise: NoiseScale | None = None  # the gradient noise scale's meter, when measured
+    call: ModelCall = PLAIN_CALL  # how the model is called, where its logits are (_forward_)
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: Stop | None = None  # None: signals are not watched
@@ -183,7 +185,7 @@ def unsynced(policy: str, window: Window, last_synced: int) -> str:
 def run_window(engine: Engine, batches: Iterator, window: Window,
                policy: SyncPolicy, precision: Precision, loss: Callable,
                device: torch.device, norm: Normalizer,
-               meter: NoiseScale | None = None) -> torch.Tensor:
+               meter: NoiseScale | None = None, call: ModelCall = PLAIN_CALL) -> torch.Tensor:
     """Forward+backward every micro-batch of one window; returns this rank's share of the
     window's loss (NaN for a window aborted by overflow consensus: its loss was never computed
     in full). After each backward the precision may find the window doomed (an overflow on some
@@ -193,7 +195,8 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
     and backward (a micro-batch of repeats only, too: DDP's collectives must match) with no
     loss. A window whose last micro-batch ran inside no_sync() is refused (UnsyncedWindow)
     unless the policy's averager keeps the whole model consistent (whole_model). `meter`: the
-    noise scale's, told each micro-batch's real units before its backward."""
+    noise scale's, told each micro-batch's real units before its backward. `call`: how the
+    model is called and where its output holds the logits (models.ModelCall)."""
     total = torch.zeros((), device=device)
     if meter is not None:
         meter.start_window()
@@ -208,8 +211,6 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
         real_left -= keep
         if doomed:
             continue
-        if keep < len(y):
-            y = y[:keep]
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = should_sync(i, size)
         if sync:
@@ -218,8 +219,10 @@ def run_window(engine: Engine, batches: Iterator, window: Window,
             raise UnsyncedWindow(unsynced(policy.name, window, last_synced))
         with engine.micro_batch(sync):
             with precision.autocast():
-                out = engine(x)
-                sums, counts = loss(out if keep == len(out) else out[:keep], y)
+                out = call(engine, x, y)  # the whole micro-batch's targets (_forward_)
+                if keep < len(y):
+                    out, y = out[:keep], y[:keep]
+                sums, counts = loss(out, y)
                 micro = norm.micro_loss(window, i, sums, counts)
             if meter is not None:
                 meter.before_backward(i, keep, counts, engine.parameters())
@@ -277,7 +280,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                                 p.schedule.accum_steps(epoch))
             t0 = time.perf_counter()
             loss = run_window(p.engine, batches, window, p.policy, p.precision, p.loss,
-                              p.device, p.normalizer, p.noise)
+                              p.device, p.normalizer, p.noise, p.call)
             done = Done(window, epoch, loss, 0.0, (state.windows + 1) % tr.log_every == 0)
             for cb in cbs.before_step:  # the noise scale's window, LR scaling
                 cb.before_step(p, state, done)
