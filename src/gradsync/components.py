@@ -232,13 +232,13 @@ def type_text(hint: Any, several: bool = False) -> str:
     null". Types no config value can be (a Tensor beside a float) are left out of unions."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        args = [h for h in typing.get_args(hint) if _spellable(h)] or list(typing.get_args(hint))
+        args = [h for h in typing.get_args(hint) if _spellable(h)] or [*typing.get_args(hint)]
         words = list(dict.fromkeys(type_text(h, several) for h in args))
         return ", or ".join(words) if len(words) > 1 else words[0]
     if hint in TYPE_WORDS:
         return TYPE_WORDS[hint][several]
     if origin in (list, tuple, Iterable) or hint in (list, tuple):
-        args = typing.get_args(hint)
+        args = [*typing.get_args(hint)]
         lists = "lists" if several else "a list"
         if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length
             kinds = {type_text(a, True) for a in args}

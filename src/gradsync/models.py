@@ -111,7 +111,7 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
     logits; None where the meta device cannot run the model (a forward that reads a value:
     no check)."""
     try:
-        names = inspect.signature(model.forward).parameters
+        names = dict(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):
         names = {}
     if call.targets is not None and names and call.targets not in names and not any(

@@ -98,8 +98,9 @@ def param_groups(model: nn.Module, params: Iterable[torch.Tensor],
     for p in params:
         name = names[id(p)]
         groups["no_decay" if name in exempt else "decay"].append((name, p))
-    out = [{"params": groups["decay"], "name": "decay"},
-           {"params": groups["no_decay"], "name": "no_decay", "weight_decay": 0.0}]
+    out: list[dict[str, Any]] = [{"params": groups["decay"], "name": "decay"},
+                                 {"params": groups["no_decay"], "name": "no_decay",
+                                  "weight_decay": 0.0}]
     return [g for g in out if g["params"]]  # torch wants every group named or none
 
 
