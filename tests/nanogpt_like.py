@@ -22,6 +22,7 @@ class GPTConfig:
     n_layer: int = 1
     n_head: int = 2
     n_embd: int = 16
+    dropout: float = 0.0
     bias: bool = True
 
 
@@ -63,6 +64,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -71,7 +73,7 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         assert t <= self.config.block_size, f"sequence of {t} > block_size"
-        h = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        h = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
         for block in self.h:
             h = block(h)
         return self.ln_f(h)

@@ -523,3 +523,19 @@ def test_a_renamed_option_answers_its_old_name_with_the_new_one(old, tmp_path, m
     node[key] = yaml.safe_load(value)
     with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
         preflight(plain)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["data=stdlib_text", "model=transformer", "data.root=???"],
+     "data.root: missing (??? in the config): gradsync.data.corpus.stdlib_text takes a string, "
+     "or null; set it, e.g. data.root=..."),
+    (["trainer.devices=???"], "trainer.devices: missing (??? in the config): it takes an "
+     "integer; set it, e.g. trainer.devices=..."),
+    (["+data.data_dir=???"], "data.data_dir: missing (??? in the config): set it, e.g. "
+     "data.data_dir=..."),
+])
+def test_a_mandatory_value_left_unset_names_its_full_key_and_type(args, expected):
+    """A YAML's ??? left unset: the full key (not OmegaConf's `data_dir`) and what it takes."""
+    with pytest.raises(ConfigError) as e:
+        compose_plain(args)
+    assert str(e.value) == expected

@@ -7,10 +7,14 @@ that its model cannot build or run is one line before any worker starts."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
+import yaml
 
 from configs import plain_cfg
 from gradsync.components import ConfigError
@@ -20,6 +24,7 @@ from gradsync.run.preflight import preflight
 from gradsync.run.worker import run_training
 from gradsync.train import checkpoint
 from gradsync.train.weight_decay import undecayed
+from test_components import REPO, cli
 
 # 48 sequences of 4..15 tokens (right-padded: their padding targets reach the model as -1),
 # 1 process, micro 8 x N 2: 3 steps an epoch, 2 epochs
@@ -28,10 +33,21 @@ BASE = ["data=synthetic_lm", "data.num_samples=48", "data.eval_samples=16", "dat
         "schedule.micro_batch_size=8", "schedule.accum_steps=2", "trainer.devices=1",
         "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
         "trainer.clip_grad_norm=1.0", "lr_scheduler.warmup_steps=2", "seed=3"]
-GPT_CONFIG = {"_target_": "nanogpt_like.GPTConfig", "block_size": 16, "n_layer": 1,
-              "n_head": 2, "n_embd": 16}
-NANOGPT = {"_target_": "nanogpt_like.GPT", "config": GPT_CONFIG,
-           "_forward_": {"targets": "targets", "logits": 0, "ignore_index": -1}}
+EXAMPLE = REPO / "examples" / "nanogpt"
+
+
+def example_model(name: str, **sizes) -> dict:
+    """examples/nanogpt's model YAML as it is, its nested config made tiny; nanoGPT's `model`
+    module (not in the repo) replaced by tests/nanogpt_like.py, which has its interface."""
+    node = yaml.safe_load((EXAMPLE / "conf" / "model" / f"{name}.yaml").read_text())
+    for n in (node, node["config"]):
+        n["_target_"] = n["_target_"].replace("model.", "nanogpt_like.", 1)
+    node["config"].update(sizes)
+    return node
+
+
+NANOGPT = example_model("nanogpt", block_size=16, n_layer=1, n_head=2, n_embd=16)
+GPT_CONFIG = NANOGPT["config"]
 
 
 def cfg_with(model: dict, overrides: tuple[str, ...] = ()) -> dict:
@@ -82,10 +98,8 @@ def test_decay_rules_by_kind_and_glob():
 def test_a_hugging_face_gpt2_from_its_own_config_class_trains(single_process_group, tmp_path):
     """transformers' GPT2LMHeadModel(config=GPT2Config(...)) from config alone: the output's
     `logits`, the data's vocab_size given to the config class."""
-    gpt2 = {"_target_": "transformers.GPT2LMHeadModel",
-            "config": {"_target_": "transformers.GPT2Config", "n_embd": 16, "n_layer": 1,
-                       "n_head": 2, "n_positions": 16},
-            "_forward_": {"logits": "logits"}}
+    gpt2 = example_model("hf_gpt2", n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    assert gpt2["_target_"] == "transformers.GPT2LMHeadModel"
     s, ck = trained(cfg_with(gpt2, ("trainer.log_every=1",)), tmp_path)
     assert s["optimizer_steps"] == 6 and s["final_train_loss"] < math.log(24)
     assert ck["model"]["transformer.wte.weight"].shape == (24, 16)
@@ -118,7 +132,7 @@ GPT_BAD = [
      "config.n_head == 0 failed"),
     ({**NANOGPT, "config": {**GPT_CONFIG, "n_layers": 2}},
      "model.config.n_layers: unknown key for nanogpt_like.GPTConfig; accepted keys: bias, "
-     "block_size, n_embd, n_head, n_layer"),
+     "block_size, dropout, n_embd, n_head, n_layer"),
     ({**NANOGPT, "config": {**GPT_CONFIG, "vocab_size": 65}},
      "model.config.vocab_size: set by gradsync at run time, not in the config"),
     ({**NANOGPT, "config": {**GPT_CONFIG, "n_head": "2"}},
@@ -168,3 +182,34 @@ def test_a_hugging_face_config_its_model_cannot_run_is_refused(args, expected):
     with pytest.raises(ConfigError) as e:
         plain_cfg([*HF, *args])
     assert str(e.value).startswith(expected), str(e.value)
+
+
+@pytest.mark.slow
+def test_the_nanogpt_example_trains_from_its_own_directory(tmp_path, cli_env):
+    """examples/nanogpt copied outside the repo, `model` on PYTHONPATH as a nanoGPT clone would
+    be (here a module re-exporting tests/nanogpt_like.py); a block shorter than the data's
+    windows is one line before any worker starts, nothing written."""
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE, project)
+    (tmp_path / "clone").mkdir()
+    (tmp_path / "clone" / "model.py").write_text("from nanogpt_like import GPT, GPTConfig\n")
+    env = cli_env | {"PYTHONPATH": os.pathsep.join([str(tmp_path / "clone"),
+                                                    str(REPO / "tests")])}
+    short = cli(["--config-dir", "conf", "experiment=nanogpt", "model.config.block_size=32",
+                 "hydra.run.dir=out/short"], project, env)
+    assert short.returncode == 2 and short.stderr.splitlines() == [
+        "gradsync: config error: model (model.GPT) cannot run a micro-batch of the data's shape "
+        "(inputs [2, 64]): AssertionError: sequence of 64 > block_size"], short.stderr
+    assert not (project / "out").exists()
+    done = cli(["--config-dir", "conf", "experiment=nanogpt", "trainer.max_steps=2",
+                "data.max_bytes=300000", "trainer.progress_bar=false",
+                "trainer.threads_per_worker=1", "hydra.run.dir=out/run"], project, env)
+    assert done.returncode == 0, done.stderr
+    run = project / "out" / "run"
+    s = json.loads((run / "summary.json").read_text())
+    assert (s["status"], s["optimizer_steps"], s["world_size"], s["samples_seen"]) == (
+        "completed", 2, 2, 2 * 2 * 8 * 4)
+    ck = checkpoint.load(run / "checkpoints" / "last.pt")
+    assert ck["model"]["lm_head.weight"].shape == (256, 128)  # 4 layers of width 128
+    groups = {g["name"]: g for g in ck["optimizer"]["param_groups"]}
+    assert (groups["decay"]["weight_decay"], groups["no_decay"]["weight_decay"]) == (0.1, 0.0)

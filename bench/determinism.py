@@ -1,0 +1,102 @@
+"""What torch's deterministic mode costs a GPT on CPU, op by op (docs/reproducibility.md).
+
+One process, one optimizer step as a rank of the GPT bench runs it (micro-batch 8 of 64
+tokens, N = 4 forwards and backwards, clip 1.0, AdamW): nanoGPT's GPT when --nanogpt names a
+clone (4 layers, 4 heads, width 128, vocab 256), else gradsync's built-in Transformer of the
+same size. Three settings, interleaved round by round under torch.profiler: deterministic off,
+torch's deterministic mode as torch ships it (trainer.deterministic=true: the NaN fill of new
+tensors included), and gradsync's default on CPU (the mode without the fill). Prints the
+biggest ops' self CPU milliseconds per optimizer step (and the allocation and fill ops, where
+the modes differ), the total, and the process CPU time per step.
+
+    python bench/determinism.py --nanogpt /path/to/nanoGPT --threads 1 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.utils.deterministic
+from torch.profiler import ProfilerActivity, profile
+
+MODES = {"off": (False, True), "torch (true)": (True, True), "gradsync (null)": (True, False)}
+
+
+def model(nanogpt: Path | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if nanogpt is None:
+        from gradsync.models import Transformer
+
+        return Transformer(256, 64, d_model=128, n_layers=4, n_heads=4)
+    sys.path.insert(0, str(nanogpt))
+    from model import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=128,
+                         dropout=0.0, bias=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nanogpt", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a rank's)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per mode and round")
+    ap.add_argument("--top", type=int, default=16)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from gradsync.data.tokens import token_loss_per_sample
+
+    net = model(a.nanogpt)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (8, 64), generator=g) for _ in range(2))
+
+    def step() -> None:
+        for _ in range(4):
+            out = net(x, y)[0] if a.nanogpt else net(x)  # nanoGPT: (logits, loss)
+            sums, counts = token_loss_per_sample(out, y)
+            (sums.sum() / (4 * counts.sum())).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    ms: dict[str, collections.Counter] = {m: collections.Counter() for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(a.rounds):
+        for mode in MODES if r % 2 == 0 else list(MODES)[::-1]:
+            deterministic, fill = MODES[mode]
+            torch.use_deterministic_algorithms(deterministic)
+            torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore
+            step()
+            c = time.process_time()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(a.steps):
+                    step()
+            cpu[mode].append((time.process_time() - c) / a.steps * 1e3)
+            for e in prof.key_averages():
+                ms[mode][e.key] += e.self_cpu_time_total / 1e3 / (a.steps * a.rounds)
+    names = set().union(*ms.values())
+    biggest = sorted(names, key=lambda n: -max(ms[m][n] for m in MODES))[:a.top]
+    shown = biggest + [n for n in ("aten::fill_", "aten::empty", "aten::empty_strided")
+                       if n in names and n not in biggest]
+    print(f"{'nanoGPT GPT' if a.nanogpt else 'gradsync Transformer'}, {a.threads} thread(s), "
+          f"{a.rounds} rounds x {a.steps} steps; self CPU ms per optimizer step\n")
+    print("| op | " + " | ".join(MODES) + " |")
+    print("|---|" + "---|" * len(MODES))
+    for n in shown:
+        print(f"| {n[:58]} | " + " | ".join(f"{ms[m][n]:.2f}" for m in MODES) + " |")
+    print("| all ops | " + " | ".join(f"{sum(ms[m].values()):.1f}" for m in MODES) + " |")
+    print("| process CPU ms per step (median) | "
+          + " | ".join(f"{statistics.median(cpu[m]):.1f}" for m in MODES) + " |")
+
+
+if __name__ == "__main__":
+    main()
