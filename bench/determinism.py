@@ -1,15 +1,18 @@
-"""What torch's deterministic mode costs a GPT on CPU, op by op (docs/reproducibility.md).
+"""What torch's deterministic mode costs on CPU, op by op (docs/reproducibility.md).
 
-One process, one optimizer step as a rank of the GPT bench runs it (micro-batch 8 of 64
-tokens, N = 4 forwards and backwards, clip 1.0, AdamW): nanoGPT's GPT when --nanogpt names a
-clone (4 layers, 4 heads, width 128, vocab 256), else gradsync's built-in Transformer of the
-same size. Three settings, interleaved round by round under torch.profiler: deterministic off,
-torch's deterministic mode as torch ships it (trainer.deterministic=true: the NaN fill of new
-tensors included), and gradsync's default on CPU (the mode without the fill). Prints the
-biggest ops' self CPU milliseconds per optimizer step (and the allocation and fill ops, where
-the modes differ), the total, and the process CPU time per step.
+One process, one optimizer step as a rank of a 2-rank run computes it, N = 4 forwards and
+backwards, clip 1.0: --model nanogpt (nanoGPT's GPT from the clone --nanogpt names: 4 layers,
+4 heads, width 128, vocab 256, micro-batch 8 of 64 tokens, AdamW; the GPT bench's), transformer
+(gradsync's built-in Transformer of the same size), or mlp (make bench's workload: the
+512-1024-1024-1024-512 MLP, micro-batch 32, MSE, SGD with momentum). Three settings,
+interleaved round by round under torch.profiler: deterministic off, torch's deterministic mode
+as torch ships it (trainer.deterministic=true: the NaN fill of new tensors included), and
+gradsync's default on CPU (the mode without the fill). Prints the biggest ops' self CPU
+milliseconds per optimizer step (and the allocation and fill ops, where the modes differ), the
+total, and the process CPU time per step.
 
-    python bench/determinism.py --nanogpt /path/to/nanoGPT --threads 1 --rounds 4
+    python bench/determinism.py --model nanogpt --nanogpt /path/to/nanoGPT --rounds 4
+    python bench/determinism.py --model mlp --threads 2
 """
 
 from __future__ import annotations
@@ -19,30 +22,53 @@ import collections
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import torch.utils.deterministic
 from torch.profiler import ProfilerActivity, profile
 
 MODES = {"off": (False, True), "torch (true)": (True, True), "gradsync (null)": (True, False)}
 
 
-def model(nanogpt: Path | None) -> torch.nn.Module:
+def workload(name: str, nanogpt: Path | None) -> tuple[torch.nn.Module, Callable[[], None],
+                                                      torch.optim.Optimizer]:
+    """The model, one micro-batch's forward and backward (its loss / 4), the optimizer."""
+    from gradsync.data.tokens import token_loss_per_sample
+    from gradsync.models import MLP, Transformer
+
     torch.manual_seed(0)
-    if nanogpt is None:
-        from gradsync.models import Transformer
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        net: torch.nn.Module = MLP(512, 512, [1024, 1024, 1024], "relu")
+        x, y = torch.randn(32, 512, generator=g), torch.randn(32, 512, generator=g)
+        return net, lambda: (F.mse_loss(net(x), y) / 4).backward(), torch.optim.SGD(
+            net.parameters(), lr=0.01, momentum=0.9)
+    if name == "nanogpt":
+        if nanogpt is None:
+            sys.exit("--model nanogpt needs --nanogpt <a clone of karpathy/nanoGPT>")
+        sys.path.insert(0, str(nanogpt))
+        from model import GPT, GPTConfig
 
-        return Transformer(256, 64, d_model=128, n_layers=4, n_heads=4)
-    sys.path.insert(0, str(nanogpt))
-    from model import GPT, GPTConfig
+        net = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=128,
+                            dropout=0.0, bias=True))
+    else:
+        net = Transformer(256, 64, d_model=128, n_layers=4, n_heads=4)
+    x, y = (torch.randint(0, 256, (8, 64), generator=g) for _ in range(2))
 
-    return GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=128,
-                         dropout=0.0, bias=True))
+    def micro() -> None:
+        out = net(x, y)[0] if name == "nanogpt" else net(x)  # nanoGPT: (logits, loss)
+        sums, counts = token_loss_per_sample(out, y)
+        (sums.sum() / (4 * counts.sum())).backward()
+
+    return net, micro, torch.optim.AdamW(net.parameters(), lr=1e-3)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("nanogpt", "transformer", "mlp"), default="nanogpt")
     ap.add_argument("--nanogpt", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a rank's)")
     ap.add_argument("--rounds", type=int, default=4)
@@ -50,18 +76,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from gradsync.data.tokens import token_loss_per_sample
-
-    net = model(a.nanogpt)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, 256, (8, 64), generator=g) for _ in range(2))
+    net, micro, opt = workload(a.model, a.nanogpt)
 
     def step() -> None:
         for _ in range(4):
-            out = net(x, y)[0] if a.nanogpt else net(x)  # nanoGPT: (logits, loss)
-            sums, counts = token_loss_per_sample(out, y)
-            (sums.sum() / (4 * counts.sum())).backward()
+            micro()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -87,7 +106,7 @@ def main() -> None:
     biggest = sorted(names, key=lambda n: -max(ms[m][n] for m in MODES))[:a.top]
     shown = biggest + [n for n in ("aten::fill_", "aten::empty", "aten::empty_strided")
                        if n in names and n not in biggest]
-    print(f"{'nanoGPT GPT' if a.nanogpt else 'gradsync Transformer'}, {a.threads} thread(s), "
+    print(f"{a.model}, {a.threads} thread(s), "
           f"{a.rounds} rounds x {a.steps} steps; self CPU ms per optimizer step\n")
     print("| op | " + " | ".join(MODES) + " |")
     print("|---|" + "---|" * len(MODES))

@@ -5,6 +5,7 @@ constructor takes its config's keyword arguments plus what it declares of the da
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,14 +103,16 @@ def model_call(node: dict[str, Any]) -> tuple[dict[str, Any], ModelCall]:
 
 
 def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tensor,
-               sizes: dict[str, int], target: str) -> torch.Tensor | None:
+               sizes: dict[str, int], target: str,
+               loss: Callable[[Any, torch.Tensor], Any] | None = None) -> Any:
     """One micro-batch through the model as the loop calls it, where the model lies (the meta
     device: shapes only, no memory, no compute): what the model cannot run (a sequence longer
     than its block, a width its heads do not divide), a targets keyword its forward lacks, an
     output without the logits where ``_forward_`` says, or logits of another shape than the
-    data's (token data: [B, T, vocab_size]) is a ConfigError naming the model. Returns the
-    logits; None where the meta device cannot run the model (a forward that reads a value:
-    no check)."""
+    data's (token data: [B, T, vocab_size]) is a ConfigError naming the model. An output that
+    is no tensor without ``_forward_.logits`` passes where the data's own `loss` takes it.
+    Returns the output; None where the meta device cannot run the model (a forward that reads
+    a value: no check)."""
     try:
         names = dict(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):
@@ -130,6 +133,8 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
             return None
         raise ConfigError(f"model ({target}) cannot run {where}: {reason(e)}") from None
     if not isinstance(out, torch.Tensor):
+        if call.logits is None and loss is not None and takes(loss, out, y.to(device)):
+            return out  # the data's loss reads the output itself
         hint = ("" if call.logits is not None else
                 f": set model.{FORWARD}.logits to the logits' position (0) or name (logits)")
         raise ConfigError(f"model ({target}) returned {kind_of(out)} for {where}, where "
@@ -142,6 +147,16 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
                           f"{where}; the data's targets want {[*y.shape, vocab]} (a score for "
                           f"each of the vocab_size={vocab} tokens at every position){hint}")
     return out
+
+
+def takes(loss: Callable[[Any, torch.Tensor], Any], out: Any, y: torch.Tensor) -> bool:
+    """Whether a data's loss runs on this output (where the meta device cannot run it: yes)."""
+    try:
+        with torch.no_grad():
+            loss(out, y)
+    except Exception as e:
+        return meta_limit(e)
+    return True
 
 
 def meta_limit(e: BaseException) -> bool:

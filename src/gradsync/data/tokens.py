@@ -56,4 +56,5 @@ def token_bundle(train: list[torch.Tensor], held_out: list[torch.Tensor], vocab_
     return DataBundle(TokenSequences(train), TokenSequences(held_out), token_loss_per_sample,
                       {"vocab_size": vocab_size, "max_len": max_len - 1}, unit="tokens",
                       collate=pad_batch, correct=argmax_correct,
-                      tokens_per_sample=float((lengths - 1).mean()))
+                      tokens_per_sample=float((lengths - 1).mean()),
+                      uniform_length=bool((lengths == lengths[0]).all()))

@@ -86,7 +86,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
                           "torch.nn.Module")
-    check_call(model, call, *probe_batch(data), data.sizes, cfg.model.target)
+    check_call(model, call, *probe_batch(data), data.sizes, cfg.model.target, data.loss)
     tensors = [*model.parameters(), *model.buffers()]
     require_fits(sum(t.numel() * t.element_size() for t in tensors),
                  f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "

@@ -123,7 +123,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         lr_scheduler = lr_scaling.ScaledLR(lr_scheduler, optimizer, scaling.name, reference, tick)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
                                   data.tokens_per_sample,
-                                  policy.averager.local_step if policy.averager else shared_steps)
+                                  policy.averager.local_step if policy.averager else shared_steps,
+                                  uniform=data.uniform_length)
     return Parts(
         engine=engine,
         optimizer=optimizer,
