@@ -88,6 +88,7 @@ def main() -> None:
     for _ in range(3):
         step()
     ms: dict[str, collections.Counter] = {m: collections.Counter() for m in MODES}
+    calls: dict[str, collections.Counter] = {m: collections.Counter() for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for r in range(a.rounds):
         for mode in MODES if r % 2 == 0 else list(MODES)[::-1]:
@@ -102,16 +103,20 @@ def main() -> None:
             cpu[mode].append((time.process_time() - c) / a.steps * 1e3)
             for e in prof.key_averages():
                 ms[mode][e.key] += e.self_cpu_time_total / 1e3 / (a.steps * a.rounds)
+                calls[mode][e.key] += e.count / (a.steps * a.rounds)
     names = set().union(*ms.values())
+    differ = [n for n in names if len({round(calls[m][n], 3) for m in MODES}) > 1]
     biggest = sorted(names, key=lambda n: -max(ms[m][n] for m in MODES))[:a.top]
-    shown = biggest + [n for n in ("aten::fill_", "aten::empty", "aten::empty_strided")
-                       if n in names and n not in biggest]
-    print(f"{a.model}, {a.threads} thread(s), "
-          f"{a.rounds} rounds x {a.steps} steps; self CPU ms per optimizer step\n")
+    shown = biggest + [n for n in sorted(differ) if n not in biggest]
+    print(f"{a.model}, {a.threads} thread(s), {a.rounds} rounds x {a.steps} steps; per "
+          "optimizer step: self CPU ms (calls); the profiler's times count a thread the machine "
+          "took away as the op's, its call counts are exact\n")
     print("| op | " + " | ".join(MODES) + " |")
     print("|---|" + "---|" * len(MODES))
     for n in shown:
-        print(f"| {n[:58]} | " + " | ".join(f"{ms[m][n]:.2f}" for m in MODES) + " |")
+        mark = " (calls differ)" if n in differ else ""
+        print(f"| {n[:58]}{mark} | "
+              + " | ".join(f"{ms[m][n]:.2f} ({calls[m][n]:.0f})" for m in MODES) + " |")
     print("| all ops | " + " | ".join(f"{sum(ms[m].values()):.1f}" for m in MODES) + " |")
     print("| process CPU ms per step (median) | "
           + " | ".join(f"{statistics.median(cpu[m]):.1f}" for m in MODES) + " |")

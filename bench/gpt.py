@@ -9,7 +9,9 @@ experiment=nanogpt`, its default settings otherwise), the reference through torc
 (bench/gpt_loop.py). Runs are interleaved, each round in the order of the round before
 reversed; tokens/s is timed on rank 0 from the end of optimizer step --skip to the last one
 (gradsync: the wall times of its TensorBoard rows, every 10 steps), the ratio taken per round
-against the reference of that round, and the table gives medians with min-max.
+against the reference of that round, and the table gives medians with min-max; beside it the
+CPU milliseconds all the job's processes spent per optimizer step over the same span (sampled
+every 0.1 s), which a machine loaded by others moves far less than the wall time.
 
 --quality trains --seeds seeds of 300 steps with gradsync and the reference and scores every
 final model with nanoGPT's GPT on the same held-out windows (the eval split, every byte once).
@@ -189,7 +191,8 @@ def quality(args: argparse.Namespace) -> None:
         model.load_state_dict(state)
         model.eval()
         with torch.no_grad():
-            losses = [model(w[:, :-1], w[:, 1:])[1] for w in held_out.split(256)]
+            losses = [model(w[:, :-1].contiguous(), w[:, 1:].contiguous())[1]
+                      for w in held_out.split(256)]
         sizes = [len(w) for w in held_out.split(256)]
         return float(sum(loss * n for loss, n in zip(losses, sizes, strict=True)) / sum(sizes))
 

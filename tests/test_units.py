@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,22 +114,23 @@ def test_warmup_cosine_values():
     assert [hf(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
-def nanogpt_get_lr(it: int, learning_rate: float, warmup_iters: int, lr_decay_iters: int,
-                   min_lr: float) -> float:
-    """nanoGPT's train.py get_lr (karpathy/nanoGPT at 3adf61e), as its README defines it:
-    linear warm-up over warmup_iters steps, cosine to min_lr at lr_decay_iters, then min_lr."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it > lr_decay_iters:
-        return min_lr
-    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+def nanogpt_get_lr():
+    """nanoGPT's train.py get_lr, as the GPT bench's reference loop runs it
+    (bench/gpt_loop.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpt_loop", Path(__file__).resolve().parents[1] / "bench" / "gpt_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_lr
 
 
 @pytest.mark.parametrize("warmup", ["nanogpt", "hf"])
 def test_the_warmup_cosine_schedule_is_nanogpts_or_hugging_faces(warmup):
     """The LR of every optimizer step, through torch's LambdaLR, against nanoGPT's get_lr
-    (min_lr 0.1 x lr) and transformers' own get_cosine_schedule_with_warmup (to 0)."""
+    (min_lr 0.1 x lr; the GPT bench's reference loop steps by it) and transformers' own
+    get_cosine_schedule_with_warmup (to 0)."""
     from transformers import get_cosine_schedule_with_warmup
 
     def lrs(make, n=70):
@@ -145,7 +147,8 @@ def test_the_warmup_cosine_schedule_is_nanogpts_or_hugging_faces(warmup):
     mine = lrs(lambda o: warmup_cosine(o, 60, warmup_steps=30, min_lr_ratio=ratio,
                                        warmup=warmup))
     if warmup == "nanogpt":
-        ref = [nanogpt_get_lr(it, 6e-4, 30, 60, 6e-5) for it in range(70)]
+        get_lr = nanogpt_get_lr()
+        ref = [get_lr(it, 6e-4, 30, 60, 6e-5) for it in range(70)]
     else:
         ref = lrs(lambda o: get_cosine_schedule_with_warmup(o, 30, 60))[:61]
         mine = mine[:61]  # transformers' cosine goes back up after num_training_steps
