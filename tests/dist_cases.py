@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.deterministic
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.components import build
@@ -133,6 +134,7 @@ def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
         text = (Path(run_dir) / "metrics.jsonl").read_text()
         out["rows"] = [json.loads(line) for line in text.splitlines()]
     out["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    out["nan_fill"] = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore
     return out
 
 
