@@ -139,8 +139,9 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
                 f": set model.{FORWARD}.logits to the logits' position (0) or name (logits)")
         raise ConfigError(f"model ({target}) returned {kind_of(out)} for {where}, where "
                           f"gradsync wants the logits{hint}")
-    vocab = sizes.get("vocab_size")
-    if vocab is not None and y.dim() == 2 and tuple(out.shape) != (*y.shape, vocab):
+    vocab = sizes.get("vocab_size")  # a vocabulary padded beyond the data's is fine
+    if vocab is not None and y.dim() == 2 and (tuple(out.shape[:-1]) != tuple(y.shape)
+                                               or out.dim() != 3 or out.shape[-1] < vocab):
         hint = (f"; without model.{FORWARD}.targets it may predict the last position only"
                 if call.targets is None and out.dim() == 3 and out.shape[1] == 1 else "")
         raise ConfigError(f"model ({target}) returned logits of shape {list(out.shape)} for "
