@@ -200,7 +200,12 @@ def test_the_nanogpt_example_trains_from_its_own_directory(tmp_path, cli_env):
     assert short.returncode == 2 and short.stderr.splitlines() == [
         "gradsync: config error: model (model.GPT) cannot run a micro-batch of the data's shape "
         "(inputs [2, 64]): AssertionError: sequence of 64 > block_size"], short.stderr
-    assert not (project / "out").exists()
+    typo = cli(["--config-dir", "conf", "experiment=nanogpt", "model.config.n_layers=2",
+                "hydra.run.dir=out/typo"], project, env)
+    assert typo.returncode == 2 and typo.stderr.splitlines() == [
+        "gradsync: config error: model.config.n_layers: unknown key for model.GPTConfig; "
+        "accepted keys: bias, block_size, dropout, n_embd, n_head, n_layer"], typo.stderr
+    assert not (project / "out" / "typo").exists()
     done = cli(["--config-dir", "conf", "experiment=nanogpt", "trainer.max_steps=2",
                 "data.max_bytes=300000", "trainer.progress_bar=false",
                 "trainer.threads_per_worker=1", "hydra.run.dir=out/run"], project, env)
