@@ -105,11 +105,13 @@ def test_policies_decide_per_micro_batch():
 
 
 def test_warmup_cosine_values():
-    f = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)  # nanoGPT's warm-up
-    assert [f(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    f = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)  # gradsync's warm-up
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == pytest.approx(1.0)
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(14) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
+    nanogpt = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1, warmup="nanogpt")
+    assert [nanogpt(s) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
     hf = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1, warmup="hf")
     assert [hf(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
 

@@ -112,7 +112,7 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
     data's (token data: [B, T, vocab_size]) is a ConfigError naming the model. An output that
     is no tensor without ``_forward_.logits`` passes where the data's own `loss` takes it.
     Returns the output; None where the meta device cannot run the model (a forward that reads
-    a value: no check)."""
+    a value) or the forward needs a rank (a process group): no check."""
     try:
         names = dict(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):
@@ -129,7 +129,7 @@ def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tens
         with torch.no_grad():
             out = call(model, x.to(device), y.to(device))
     except Exception as e:
-        if device.type == "meta" and meta_limit(e):
+        if device.type == "meta" and meta_limit(e) or needs_a_rank(e):
             return None
         raise ConfigError(f"model ({target}) cannot run {where}: {reason(e)}") from None
     if not isinstance(out, torch.Tensor):
@@ -158,6 +158,13 @@ def takes(loss: Callable[[Any, torch.Tensor], Any], out: Any, y: torch.Tensor) -
     except Exception as e:
         return meta_limit(e)
     return True
+
+
+def needs_a_rank(e: BaseException) -> bool:
+    """An error that says the forward wants what only a rank has (its process group, its
+    GPU), not that the model is wrong: the check runs in the launcher, before any rank."""
+    text = str(e).lower()
+    return any(w in text for w in ("process group", "init_process_group", "cuda", "nccl"))
 
 
 def meta_limit(e: BaseException) -> bool:

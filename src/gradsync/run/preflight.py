@@ -86,7 +86,9 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
                           "torch.nn.Module")
-    check_call(model, call, *probe_batch(data), data.sizes, cfg.model.target, data.loss)
+    probe = probe_batch(data)
+    if probe is not None:
+        check_call(model, call, *probe, data.sizes, cfg.model.target, data.loss)
     tensors = [*model.parameters(), *model.buffers()]
     require_fits(sum(t.numel() * t.element_size() for t in tensors),
                  f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
@@ -107,17 +109,16 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     return model, check_policy(cfg, world)
 
 
-def probe_batch(data: DataBundle) -> tuple[Any, Any]:
-    """A micro-batch of the data's shape for the model's check: token data's longest (two
-    sequences of max_len tokens), else the first two training samples, collated."""
+def probe_batch(data: DataBundle) -> tuple[Any, Any] | None:
+    """A micro-batch of the data's shape for the model's check, made without reading the data:
+    token data's longest (two sequences of max_len tokens); None for other data (no check:
+    its samples may be costly to read, and are read by the ranks)."""
     import torch
-    from torch.utils.data import default_collate
 
-    if data.unit == "tokens" and "max_len" in data.sizes:
-        shape = (2, data.sizes["max_len"])
-        return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
-    samples = [data.train[i] for i in range(min(2, len(data.train)))]  # type: ignore[arg-type]
-    return (data.collate or default_collate)(samples)
+    if data.unit != "tokens" or "max_len" not in data.sizes:
+        return None
+    shape = (2, data.sizes["max_len"])
+    return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
 
 
 def built(group: str, target: str, make: Callable[[], Any]) -> Any:

@@ -13,21 +13,22 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from gradsync.components import CheckContext, checks, require
 
-WARMUPS = ("nanogpt", "hf")  # lr_scheduler.warmup: whose linear warm-up
+WARMUPS = ("gradsync", "nanogpt", "hf")  # lr_scheduler.warmup: whose linear warm-up
 
 
 class WarmupCosine:
     """Linear warm-up over warmup_steps, then a cosine decay to min_lr_ratio x lr at
     total_steps (after it: min_lr_ratio x lr). The warm-up's step s (0-based) takes
-    ``warmup="nanogpt"``: (s + 1) / (warmup_steps + 1) of the LR, nanoGPT's ``get_lr`` (the
+    ``warmup="gradsync"`` (the default): (s + 1) / warmup_steps of the LR (the full LR at the
+    warm-up's last step); ``"nanogpt"``: (s + 1) / (warmup_steps + 1), nanoGPT's ``get_lr`` (the
     full LR first at step warmup_steps, where the cosine starts); ``"hf"``: s / warmup_steps,
-    transformers' ``get_cosine_schedule_with_warmup`` (step 0 at LR 0). Either way the whole
-    schedule is that library's, with total_steps as nanoGPT's ``lr_decay_iters`` (transformers:
-    ``num_training_steps``, whose cosine ends at 0: min_lr_ratio 0). A callable object, not a
-    lambda, so LambdaLR's state_dict keeps it."""
+    transformers' ``get_cosine_schedule_with_warmup`` (step 0 at LR 0). With nanogpt or hf the
+    whole schedule is that library's, with total_steps as nanoGPT's ``lr_decay_iters``
+    (transformers: ``num_training_steps``, whose cosine ends at 0: min_lr_ratio 0). A callable
+    object, not a lambda, so LambdaLR's state_dict keeps it."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-                 warmup: str = "nanogpt"):
+                 warmup: str = "gradsync"):
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio
@@ -37,7 +38,9 @@ class WarmupCosine:
         if step < self.warmup_steps:
             if self.warmup == "hf":
                 return step / self.warmup_steps
-            return (step + 1) / (self.warmup_steps + 1)
+            if self.warmup == "nanogpt":
+                return (step + 1) / (self.warmup_steps + 1)
+            return (step + 1) / self.warmup_steps
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
@@ -60,9 +63,9 @@ def _check_cosine(a: dict[str, Any], ctx: CheckContext) -> None:
 
 @checks(_check_cosine)
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 5,
-                  min_lr_ratio: float = 0.0, warmup: str = "nanogpt") -> LambdaLR:
-    """Linear warm-up (nanoGPT's or Hugging Face's: WarmupCosine), then cosine decay to
-    min_lr_ratio x lr at the run's last step."""
+                  min_lr_ratio: float = 0.0, warmup: str = "gradsync") -> LambdaLR:
+    """Linear warm-up (gradsync's, nanoGPT's or Hugging Face's: WarmupCosine), then cosine
+    decay to min_lr_ratio x lr at the run's last step."""
     return LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio, warmup))
 
 
