@@ -198,7 +198,7 @@ def quality(args: argparse.Namespace) -> None:
 
     finals: dict[str, list[float]] = {"nanogpt loop": [], "gradsync": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             out = Path(tmp) / f"ref{seed}"
             run_reference(args.nanogpt, out, 300, 300, seed)
             finals["nanogpt loop"].append(score(torch.load(out / "model.pt")))
@@ -224,6 +224,7 @@ def main() -> None:
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--quality", action="store_true", help="final held-out loss, 300 steps")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0)
     args = ap.parse_args()
     if args.nanogpt is None or not (Path(args.nanogpt) / "model.py").is_file():
         sys.exit("bench-gpt: NANOGPT=<a clone of karpathy/nanoGPT> (its model.py), e.g. "
