@@ -137,6 +137,11 @@ GPT_BAD = [
      "model.config.vocab_size: set by gradsync at run time, not in the config"),
     ({**NANOGPT, "config": {**GPT_CONFIG, "n_head": "2"}},
      "model.config.n_head='2' is not allowed: nanogpt_like.GPTConfig takes an integer"),
+    # transformers' own classes: the config class as a nested node, held as CausalLM's is
+    (example_model("hf_gpt2", n_embd=16, n_layer=1, n_head=2, n_positions=8),
+     "model.config.n_positions=8 is not allowed: at least the data's max_len=15"),
+    (example_model("hf_gpt2", n_embd=30, n_layer=1, n_head=4, n_positions=16),
+     "model.config.n_embd=30 is not allowed: a multiple of model.config.n_head=4"),
 ]
 
 

@@ -15,7 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.components import CheckContext, ConfigError, checks, locate, reason, require
+from gradsync.components import (
+    CheckContext,
+    ConfigError,
+    build,
+    checks,
+    is_node,
+    locate,
+    reason,
+    require,
+)
 
 # model=hf_llama's default: a 2-layer Llama of width 32 (conf/model/hf_llama.yaml states it)
 TINY_LLAMA: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -84,6 +93,36 @@ def check_architecture(config: Any, key: str) -> None:
     if getattr(config, "head_dim", None) is None and hidden is not None:
         require(hidden % heads == 0, hidden_key, f"a multiple of {heads_key}={heads} (each "
                 "head takes an equal share of the width)", hidden)
+
+
+def check_nested_configs(node: dict[str, Any], sizes: dict[str, int], key: str = "model") -> None:
+    """A transformers config given as a nested node (`_target_: transformers.GPT2Config` under
+    `_target_: transformers.GPT2LMHeadModel`), built as the model gets it: what its model cannot
+    build or run (check_architecture), and positions fewer than the data's sequences (the
+    first forward would index past them in a worker). Nothing is imported that the config did
+    not name."""
+    for name, value in node.items():
+        if not (isinstance(value, dict) and is_node(value)):
+            continue
+        where = f"{key}.{name}"
+        check_nested_configs(value, sizes, where)
+        module = str(value["_target_"]).split(".")[0]
+        if module != "transformers":
+            continue
+        cls = locate(value["_target_"], f"{where}._target_")
+        if not (isinstance(cls, type) and issubclass(cls, _transformers().PretrainedConfig)):
+            continue
+        try:
+            config = build(value, sizes)
+        except Exception as e:
+            raise ConfigError(f"{where}: {cls.__name__} refuses it: {reason(e)}") from None
+        check_architecture(config, where)
+        positions, longest = getattr(config, "max_position_embeddings", None), sizes.get("max_len")
+        if isinstance(positions, int) and longest is not None and positions < longest:
+            names = getattr(cls, "attribute_map", {})
+            name_ = names.get("max_position_embeddings", "max_position_embeddings")
+            raise ConfigError(f"{where}.{name_}={positions} is not allowed: at least the data's "
+                              f"max_len={longest} (the positions of its longest sequence)")
 
 
 def estimated_parameters(config: Any) -> int:

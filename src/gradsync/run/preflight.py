@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gradsync import hf
 from gradsync.components import (
     CheckContext,
     ConfigError,
@@ -82,6 +83,7 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     check_sizes(model_node, cfg.data.target, data.sizes)
     check("model", model_node, tuple(data.sizes),
           replace(ctx, group="model", provided=ctx.provided | {"sizes": data.sizes}))
+    hf.check_nested_configs(model_node, data.sizes)  # a transformers config as a nested node
     model = built("model", cfg.model.target, lambda: build_on_meta(model_node, data.sizes))
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
