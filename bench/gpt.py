@@ -49,7 +49,8 @@ SETTING = ["data.max_len=65", "data.packed=true", "schedule.micro_batch_size=8",
 REFERENCE = "nanogpt loop"
 VARIANTS = {REFERENCE: None, "gradsync": [],
             "gradsync deterministic=false": ["trainer.deterministic=false"],
-            "gradsync deterministic=true": ["trainer.deterministic=true"]}
+            "gradsync deterministic=true": ["trainer.deterministic=true"],
+            "gradsync allreduce=process_group": ["engine.allreduce=process_group"]}
 
 
 def env(nanogpt: Path) -> dict[str, str]:
