@@ -11,8 +11,8 @@ TEST_JOBS ?= 2
 STARTUP_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast lint sweep race bench gpu-check gpu-check-dry gpu-wheels \
-	compat clean distclean
+.PHONY: help install train test test-fast lint sweep race bench bench-gpt gpu-check gpu-check-dry \
+	gpu-wheels compat clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -51,6 +51,13 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.lock
 bench: $(BENCH_STAMP) ## side-by-side benchmark (also installs Lightning/Accelerate); BENCH_ARGS=--rounds 1
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 	$(BIN)/python bench/startup.py $(STARTUP_ARGS)
+
+# nanoGPT's GPT through gradsync beside a hand-written nanoGPT-style loop (docs/benchmark.md). nanoGPT
+# is not part of gradsync: NANOGPT=<a clone of karpathy/nanoGPT> (measured at commit 3adf61e).
+NANOGPT ?=
+BENCH_GPT_ARGS ?=
+bench-gpt: install ## nanoGPT's GPT: gradsync vs a nanoGPT-style loop, tokens/s (~5 min); NANOGPT=<clone of karpathy/nanoGPT>
+	$(BIN)/python bench/gpt.py --nanogpt "$(NANOGPT)" $(BENCH_GPT_ARGS)
 
 race: install ## which policy wins: 7 sync policies on the stdlib corpus (experiment=policy_race)
 	$(BIN)/gradsync-train -m experiment=policy_race $(ARGS)

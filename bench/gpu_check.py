@@ -743,7 +743,7 @@ def measure_policy(overrides: list[str], device: Any) -> dict[str, Any]:
 
     def window(k: int) -> None:  # train()'s window (train/loop.py), but its logging
         cut = next(epoch)  # the epoch's k-th
-        run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision, p.noise)
+        run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision, p.noise, p.call)
         before_step(p, Progress(windows=k), cut)
         stepped, _ = optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer,
                                     precision=p.precision, lr_scheduler=p.lr_scheduler,
@@ -948,12 +948,13 @@ def lm_parts(device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     from gradsync.components import build
     from gradsync.core.seeds import seed_everything
     from gradsync.run.main import compose_plain
+    from gradsync.train.weight_decay import build_optimizer
 
     cfg = compose_plain(lm_overrides())
     seed_everything(cfg["seed"])
     data = build(cfg["data"], {"seed": cfg["seed"]})
     model = build(cfg["model"], data.sizes).to(torch.device(device))
-    return data, model, build(cfg["optimizer"])(model.parameters()), cfg
+    return data, model, build_optimizer(cfg["optimizer"], model, model.parameters()), cfg
 
 
 def synchronize() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.deterministic
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.components import build
@@ -132,6 +133,7 @@ def train_run_rows(cfg: dict, run_dir: str, dir_per_rank: bool = False) -> dict:
         text = (Path(run_dir) / "metrics.jsonl").read_text()
         out["rows"] = [json.loads(line) for line in text.splitlines()]
     out["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    out["nan_fill"] = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore
     return out
 
 
@@ -258,3 +260,22 @@ def train_run_buffers(cfg: dict, run_dir: str) -> dict:
     module = held["parts"].engine.module
     return {"summary": summary,
             "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
+
+
+def counted_tokens(parts):
+    """The uniform-length shortcut off: each window's tokens counted and all-reduced."""
+    parts.normalizer.uniform = False
+    return parts
+
+
+def as_built(parts):
+    return parts
+
+
+def train_counting_tokens(cfg: dict, run_dir: str, count: bool) -> dict:
+    """run_training_with, the token count all-reduced (count) or known from uniform-length
+    sequences; rank 0's final parameters and rows."""
+    summary, rows = run_training_with(counted_tokens if count else as_built, cfg, run_dir)
+    params = (checkpoint.load(Path(run_dir) / "checkpoints" / "last.pt")["model"]
+              if dist.get_rank() == 0 else None)
+    return {"summary": summary, "rows": rows, "params": params}

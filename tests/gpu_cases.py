@@ -47,7 +47,8 @@ def hot_path(precision: str) -> dict:
         cut = next(epoch, None)
         if cut is None:
             return None
-        loss = run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision)
+        loss = run_window(p.engine, cut, p.policy, p.loss, p.normalizer, p.precision,
+                          call=p.call)
         optimizer_step(p.engine, p.optimizer, p.policy, p.normalizer, precision=p.precision,
                        clip_grad_norm=p.trainer.clip_grad_norm, lr_scheduler=p.lr_scheduler)
         return loss

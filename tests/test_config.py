@@ -21,8 +21,10 @@ from gradsync.config.validate import RUNTIME, ConfigError
 from gradsync.core.dtypes import DTYPES
 from gradsync.run.main import CONF_DIR, compose_plain, register_schemas
 from gradsync.run.preflight import preflight
+from gradsync.train import weight_decay
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
+from gradsync.train.weight_decay import build_optimizer
 
 register_schemas()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
@@ -61,7 +63,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     x, y = (data.collate or default_collate)([data.train[i] for i in range(4)])
     sums, counts = data.loss(model(x), y)
     assert sums.shape == counts.shape == (4,) and (counts >= 1).all()
-    opt = build(cfg["optimizer"])(model.parameters())
+    opt = build_optimizer(cfg["optimizer"], model, model.parameters())
     assert type(opt).__name__.lower() == cfg["optimizer"]["_target_"].split(".")[-1].lower()
     assert opt.param_groups[0]["lr"] == cfg["optimizer"]["lr"]
     sched = build(cfg["lr_scheduler"], {"optimizer": opt, "total_steps": 10})
@@ -84,8 +86,11 @@ def test_a_gradsync_components_yaml_states_its_own_signature_defaults(group, opt
     """conf/ lists a component's keys so they can be overridden without '+', each a keyword of
     the callable; the values are gradsync's callable's own defaults (one source: the
     signature), or, for torch's optimizers, the values the YAML chooses, which reach the
-    optimizer as they are."""
+    optimizer as they are (an optimizer's no_decay is gradsync's: train/weight_decay.py)."""
     node = yaml.safe_load((Path(CONF_DIR) / group / f"{option}.yaml").read_text())
+    if group == "optimizer":
+        node, no_decay = weight_decay.split(node)
+        assert no_decay == ["bias", "norm"]  # nanoGPT's and HF Trainer's rule
     params = parameters(locate(node["_target_"]))
     keys = [k for k in node if not k.startswith("_")]
     assert set(keys) <= set(params), set(keys) - set(params)
@@ -198,14 +203,15 @@ REFUSED = [
      "(AdamW divides by sqrt(v) + eps: with eps=0 a parameter whose gradients are 0 gets a NaN "
      "step)"),
     (["optimizer=adamw", "optimizer.betas=[0.9]"],
-     "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes tuple"),
+     "optimizer.betas=[0.9] is not allowed: torch.optim.AdamW takes a list of 2 floats"),
     (["engine.bucket_cap_mb=0"], "engine.bucket_cap_mb=0.0 is not allowed: a finite number > 0"),
     (["sync.powersgd_rank=0"], "sync.powersgd_rank=0 is not allowed: an integer >= 1"),
     (["lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio=2 is not allowed"),
     (["trainer.bits=exact"], "trainer.bits='exact' is not allowed: one of native, portable"),
     # issue 26: values that reached the workers (tests/test_options.py covers every option)
     (["optimizer.fused=maybe"],
-     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes bool | None"),
+     "optimizer.fused='maybe' is not allowed: torch.optim.SGD takes true or false, or "
+     "null"),
     (["data.split_seed=-1"], "data.split_seed=-1 is not allowed: an integer >= 0"),
     (["trainer.timeout_s=100000000000000000000"],
      "trainer.timeout_s=100000000000000000000 is not allowed: an integer >= 1 (at most "
@@ -331,7 +337,7 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
         preflight(cfg)
         torch.manual_seed(0)
         model = MLP(8, 4, [16], "tanh")
-        optim = build(cfg["optimizer"])(model.parameters())
+        optim = build_optimizer(cfg["optimizer"], model, model.parameters())
         assert optim.defaults["fused"] == fused
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -559,3 +565,19 @@ def test_an_option_an_extra_provides_is_one_line_naming_the_extra(monkeypatch):
         "hydra/launcher=slurm_local needs hydra-submitit-launcher: pip install "
         "'gradsync[slurm]'")
     assert one_line(missing("model/cnn")) == "model=cnn: no such option; choose one of: basic"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["data=stdlib_text", "model=transformer", "data.root=???"],
+     "data.root: missing (??? in the config): gradsync.data.corpus.stdlib_text takes a string, "
+     "or null; set it, e.g. data.root=..."),
+    (["trainer.devices=???"], "trainer.devices: missing (??? in the config): it takes an "
+     "integer; set it, e.g. trainer.devices=..."),
+    (["+data.data_dir=???"], "data.data_dir: missing (??? in the config): set it, e.g. "
+     "data.data_dir=..."),
+])
+def test_a_mandatory_value_left_unset_names_its_full_key_and_type(args, expected):
+    """A YAML's ??? left unset: the full key (not OmegaConf's `data_dir`) and what it takes."""
+    with pytest.raises(ConfigError) as e:
+        compose_plain(args)
+    assert str(e.value) == expected

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 import dist_cases
-from configs import plain_cfg
+from configs import losses, plain_cfg
 from gradsync.components import build
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import ConfigError
@@ -331,3 +331,29 @@ def test_lm_accum_sweep_runs_as_a_single_run(tmp_path, cli_env):
     assert s["eval"]["perplexity"] == pytest.approx(math.exp(s["eval"]["loss"]))
     assert 2.0 < s["final_train_loss"] < 4.0  # a per-token mean near log(32) = 3.47, not a sum
     assert "eval_perplexity=" in proc.stdout
+
+
+@pytest.mark.dist
+def test_uniform_length_windows_train_the_same_bits_without_counting_their_tokens(pool2,
+                                                                                  tmp_path):
+    """data.packed: every window holds exactly max_len - 1 loss tokens, so a window's token
+    count is its real samples times that, without the count's all-reduce (train/normalize.py
+    ByTokens uniform): the same parameters and losses, bit for bit, as counting them, over
+    epochs that end in a partial window that holds a sampler's repeat on one rank."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(13):  # 89 windows: odd, the sampler repeats one on rank 1
+        (root / f"m{i}.py").write_bytes(b"def f(x):\n    return x * %d\n\n" % i * (i % 3 + 2))
+    cfg = plain_cfg([*run_overrides(2, 3, 2), "model=transformer", "model.d_model=16",
+                     "model.mlp_ratio=2", "data=stdlib_text", f"data.root={root}",
+                     "data.max_len=12", "data.max_bytes=100000", "data.eval_fraction=0.2",
+                     "data.packed=true", "optimizer=adamw", "optimizer.lr=0.01"])
+    data = build_data(cfg["data"], cfg["seed"])
+    assert data.uniform_length and data.tokens_per_sample == 11.0
+    assert len(data.train) == 89  # each epoch ends in a partial window holding the repeat
+    known = pool2.run(dist_cases.train_counting_tokens, cfg, str(tmp_path / "known"), False)[0]
+    counted = pool2.run(dist_cases.train_counting_tokens, cfg, str(tmp_path / "counted"),
+                        True)[0]
+    assert known["summary"]["optimizer_steps"] == counted["summary"]["optimizer_steps"] >= 8
+    assert losses(known["rows"]) == losses(counted["rows"])  # every logged step, bit for bit
+    assert all(torch.equal(known["params"][k], counted["params"][k]) for k in known["params"])

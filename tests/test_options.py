@@ -125,6 +125,8 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("model=hf_llama", "model.config_class"): ["torch.nn.Linear", "transformers.Nope", "x"],
     ("model=hf_llama", "model.config"): [{"hiden_size": 8}, {"vocab_size": 8}],
     ("model=hf_llama", "model.attn_implementation"): ["flash_attention_2", ""],
+    ("model=hf_llama", "model.max_parameters"): [0, -1],
+    ("model=hf_llama", "model.max_layers"): [0, -1],
     ("model=mlp", "model.hidden_sizes"): [[0], [-1], [8, 0], [10**12], [BIG, BIG]],
     ("model=mlp", "model.activation"): ["softmax", ""],
     ("model=mlp", "model.dropout"): [-0.1, 1.0, 2],
@@ -151,6 +153,7 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     ("data=stdlib_text", "data.max_bytes"): [0, -1, 1],
     ("data=stdlib_text", "data.eval_fraction"): [0, 1, 1.5],
     ("data=stdlib_text", "data.root"): ["/no/such/dir", ""],
+    ("data=stdlib_text", "data.packed"): "true or false: both are choices",
     # --- sync policies (gradsync/sync/) -------------------------------------------------------
     ("sync=accumulate", "sync.compression"): ["topk", ""],
     ("sync=accumulate", "sync.powersgd_rank"): [0, -1],
@@ -180,6 +183,7 @@ OPTIONS: dict[tuple[str, str], list | str] = {
     # --- LR schedulers (gradsync/train/lr_schedulers.py) --------------------------------------
     ("lr_scheduler=cosine", "lr_scheduler.warmup_steps"): [-1],
     ("lr_scheduler=cosine", "lr_scheduler.min_lr_ratio"): [-0.1, 1.5],
+    ("lr_scheduler=cosine", "lr_scheduler.warmup"): ["linear", ""],
 }
 
 

@@ -81,6 +81,24 @@ def test_stdlib_text_bundle_is_byte_tokens_from_split_files(tmp_path):
     assert all(2 <= len(s) <= 16 for s in bundle.train.seqs)
 
 
+def test_packed_stdlib_text_is_windows_of_max_len_over_the_joined_files(tmp_path):
+    """data.packed: nanoGPT's way, every window max_len bytes, each starting on the previous
+    one's last byte, so every byte but the first is a target once; the short tail left out."""
+    assert corpus.windows(b"abcdefghij", 4) == [b"abcd", b"defg", b"ghij"]
+    assert corpus.windows(b"abcdefghi", 4) == [b"abcd", b"defg"]
+    (tmp_path / "pkg").mkdir()
+    for i in range(20):
+        (tmp_path / "pkg" / f"m{i}.py").write_bytes(b"def f():\n    pass\n\n" * (i + 1))
+    bundle = corpus.stdlib_text(max_len=16, max_bytes=10_000, eval_fraction=0.3,
+                                root=str(tmp_path), packed=True)
+    chosen = corpus.select(tmp_path, 10_000, 0.3)
+    text = b"".join(chosen.text[f] for f in chosen.train_files)
+    seqs = [bytes(s.tolist()) for s in bundle.train.seqs]
+    assert {len(s) for s in seqs} == {16} and bundle.tokens_per_sample == 15.0
+    joined = seqs[0] + b"".join(s[1:] for s in seqs[1:])
+    assert text.startswith(joined) and len(text) - len(joined) < 15
+
+
 def compose_plain(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return to_plain(compose("config", overrides=overrides))

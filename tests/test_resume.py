@@ -163,6 +163,7 @@ def test_the_same_config_twice_gives_the_same_bits(references, pool2, tmp_path, 
     for name, value in first.params.items():
         assert torch.equal(second["params"][name], value), name
     assert second["deterministic"] and r1["deterministic"]  # trainer.deterministic: on for CPU
+    assert not (second["nan_fill"] or r1["nan_fill"])  # without torch's NaN fill (repro.py)
     # a different seed really changes the run (the comparison above has teeth)
     other, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*overrides, "seed=8"]),
                          str(tmp_path / "other"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,11 +100,56 @@ def test_policies_decide_per_micro_batch():
 
 
 def test_warmup_cosine_values():
-    f = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    f = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)  # gradsync's warm-up
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == pytest.approx(1.0)
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(14) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
+    nanogpt = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1, warmup="nanogpt")
+    assert [nanogpt(s) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    hf = WarmupCosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1, warmup="hf")
+    assert [hf(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def nanogpt_get_lr():
+    """nanoGPT's train.py get_lr, as the GPT bench's reference loop runs it
+    (bench/gpt_loop.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpt_loop", Path(__file__).resolve().parents[1] / "bench" / "gpt_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_lr
+
+
+@pytest.mark.parametrize("warmup", ["nanogpt", "hf"])
+def test_the_warmup_cosine_schedule_is_nanogpts_or_hugging_faces(warmup):
+    """The LR of every optimizer step, through torch's LambdaLR, against nanoGPT's get_lr
+    (min_lr 0.1 x lr; the GPT bench's reference loop steps by it) and transformers' own
+    get_cosine_schedule_with_warmup (to 0)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    def lrs(make, n=70):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=6e-4)
+        sched, out = make(opt), []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    ratio = 0.1 if warmup == "nanogpt" else 0.0
+    mine = lrs(lambda o: warmup_cosine(o, 60, warmup_steps=30, min_lr_ratio=ratio,
+                                       warmup=warmup))
+    if warmup == "nanogpt":
+        get_lr = nanogpt_get_lr()
+        ref = [get_lr(it, 6e-4, 30, 60, 6e-5) for it in range(70)]
+    else:
+        ref = lrs(lambda o: get_cosine_schedule_with_warmup(o, 30, 60))[:61]
+        mine = mine[:61]  # transformers' cosine goes back up after num_training_steps
+    assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) < 1e-18
 
 
 def test_lr_scheduler_state_survives_a_weights_only_round_trip(tmp_path):

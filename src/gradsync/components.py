@@ -15,6 +15,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -50,6 +51,24 @@ def require_extra(module: str, extra: str, what: str) -> Any:
             raise  # the module is there; something it imports is not
         raise ConfigError(f"{what} needs {module.split('.')[0]}: pip install "
                           f"'gradsync[{extra}]'") from None
+
+
+def reason(e: BaseException) -> str:
+    """What an exception says, as one line: from the innermost cause that says something
+    (transformers' config validation raises an error whose first line only names the
+    validator; its cause holds the reason), or, for a bare ``assert``, the statement that
+    failed (nanoGPT's ``assert config.n_embd % config.n_head == 0``)."""
+    inner: BaseException = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    for x in (inner, e):
+        text = next((ln.strip() for ln in str(x).splitlines() if ln.strip()), "")
+        if text:
+            return f"{type(x).__name__}: {text}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, AssertionError) and frames and frames[-1].line:
+        return f"AssertionError: {frames[-1].line} failed"
+    return type(e).__name__
 
 
 def kind_of(obj: Any) -> str:
@@ -213,8 +232,43 @@ def _is_optional(hint: Any) -> bool:
     return type(None) in typing.get_args(hint)
 
 
-def _type_name(hint: Any) -> str:
+# What a value of each plain type is called in an error line: (one, several).
+TYPE_WORDS: dict[Any, tuple[str, str]] = {
+    int: ("an integer", "integers"), float: ("a float", "floats"),
+    bool: ("true or false", "booleans"), str: ("a string", "strings"),
+    type(None): ("null", "nulls"), dict: ("a mapping", "mappings")}
+
+
+def type_text(hint: Any, several: bool = False) -> str:
+    """A type hint in words, as a config value spells it (a tuple is a YAML list):
+    ``tuple[float, float]`` -> "a list of 2 floats", ``bool | None`` -> "true or false, or
+    null". Types no config value can be (a Tensor beside a float) are left out of unions."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [h for h in typing.get_args(hint) if _spellable(h)] or [*typing.get_args(hint)]
+        words = list(dict.fromkeys(type_text(h, several) for h in args))
+        return ", or ".join(words) if len(words) > 1 else words[0]
+    if hint in TYPE_WORDS:
+        return TYPE_WORDS[hint][several]
+    if origin in (list, tuple, Iterable) or hint in (list, tuple):
+        args = [*typing.get_args(hint)]
+        lists = "lists" if several else "a list"
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length
+            kinds = {type_text(a, True) for a in args}
+            if len(kinds) == 1:
+                return f"{lists} of {len(args)} {kinds.pop()}"
+            return f"{lists} of {len(args)}: " + ", ".join(type_text(a) for a in args)
+        return f"{lists} of {type_text(args[0], True)}" if args else lists
+    if origin is dict:
+        return TYPE_WORDS[dict][several]
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _spellable(hint: Any) -> bool:
+    """Whether a config value (YAML) can be of this type."""
+    origin = typing.get_origin(hint)
+    return hint in TYPE_WORDS or hint in (list, tuple) or origin in (
+        list, tuple, dict, Iterable, typing.Union, types.UnionType)
 
 
 def renamed_line(old: str, new: str) -> str:
@@ -260,14 +314,23 @@ def check(group: str, node: dict[str, Any], runtime: Iterable[str],
             raise ConfigError(f"{group}.{name}: missing; {node['_target_']} requires it")
     hints_ = hints(target)
     for key, value in args.items():
+        if is_node(value):  # a nested component (GPT's GPTConfig): checked as its own
+            check(f"{group}.{key}", value, runtime, ctx)
+            continue
         hint = hints_.get(key)
         if hint is not None and not accepts(hint, value):
             raise ConfigError(f"{group}.{key}={value!r} is not allowed: {node['_target_']} "
-                              f"takes {_type_name(hint)}")
+                              f"takes {type_text(hint)}")
     own = getattr(target, "check_config", None)
     if own is not None:
         own(_with_defaults(params, args, runtime), ctx or CheckContext(group))
     return target
+
+
+def is_node(value: Any) -> bool:
+    """A nested component: a mapping with its own ``_target_`` (built before the callable that
+    takes it, as Hydra's instantiate builds nested nodes)."""
+    return isinstance(value, dict) and "_target_" in value
 
 
 def config_args(node: dict[str, Any], extra: Iterable[str] = ()) -> dict[str, Any]:
@@ -303,14 +366,18 @@ def describe(node: dict[str, Any], runtime: Iterable[str] = (),
 def build(node: dict[str, Any], runtime: dict[str, Any] | None = None,
           extra: Iterable[str] = ()) -> Any:
     """Call the node's target with its keyword arguments plus those of ``runtime`` that the
-    target declares (a target that takes ``**kwargs`` gets them all). ``_partial_: true``
-    returns a functools.partial instead (the optimizer, which gets its parameters later)."""
+    target declares (a target that takes ``**kwargs`` gets them all). A keyword argument that
+    is itself a node (``_target_``) is built first, offered the same runtime arguments
+    (nanoGPT's ``GPT(config)``: its ``GPTConfig`` gets the data's ``vocab_size``).
+    ``_partial_: true`` returns a functools.partial instead (the optimizer, which gets its
+    parameters later)."""
     import functools
 
     target = locate(node["_target_"])
     params = parameters(target)
     anything = takes_any_keyword(target)
-    kwargs = config_args(node, extra)
+    kwargs = {k: build(v, runtime) if is_node(v) else v
+              for k, v in config_args(node, extra).items()}
     kwargs.update({k: v for k, v in (runtime or {}).items() if k in params or anything})
     if node.get("_partial_"):
         return functools.partial(target, **kwargs)

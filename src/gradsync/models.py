@@ -4,13 +4,25 @@ constructor takes its config's keyword arguments plus what it declares of the da
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.components import CheckContext, build, checks, require, require_fits
+from gradsync.components import (
+    CheckContext,
+    ConfigError,
+    build,
+    checks,
+    kind_of,
+    reason,
+    require,
+    require_fits,
+)
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -22,6 +34,143 @@ class ModelBuilder(Protocol):
     data); see data.DataBundle.sizes."""
 
     def __call__(self, **kwargs: Any) -> nn.Module: ...
+
+
+FORWARD = "_forward_"  # the model node's key for ModelCall's settings (never the target's)
+FORWARD_KEYS = ("targets", "logits", "ignore_index")
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """How gradsync calls a model and reads its logits: the model node's ``_forward_``.
+
+    By default ``model(x)`` returns the logits. A model whose forward takes the targets too
+    gets them under the keyword ``targets`` (nanoGPT's ``forward(idx, targets=None)`` returns
+    the last position's logits only without them), each negative target (padding) as
+    ``ignore_index`` (nanoGPT ignores -1; torch and Hugging Face -100). ``logits`` says where
+    the output holds them: None (the output is the logits), a position (nanoGPT's
+    ``(logits, loss)``: 0) or a name (a Hugging Face ``ModelOutput``'s ``logits``). Whatever
+    loss the model computes itself is not used: gradsync computes the per-sample (per-token)
+    loss from the logits, which keeps its exact normalisation over the global window."""
+
+    targets: str | None = None
+    logits: int | str | None = None
+    ignore_index: int = -100
+
+    def __call__(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return self.pick(model(x))
+        if self.ignore_index != -100 and not y.is_floating_point():  # padding is -100
+            y = y.masked_fill(y < 0, self.ignore_index)
+        return self.pick(model(x, **{self.targets: y}))
+
+    def pick(self, out: Any) -> torch.Tensor:
+        if self.logits is None:
+            return out
+        if isinstance(self.logits, int):
+            return out[self.logits]
+        return out[self.logits] if isinstance(out, dict) else getattr(out, self.logits)
+
+
+PLAIN_CALL = ModelCall()
+
+
+def model_call(node: dict[str, Any]) -> tuple[dict[str, Any], ModelCall]:
+    """A model node split into what builds the model (the node without ``_forward_``) and how
+    the model is called; a ``_forward_`` that is not a mapping of known keys of the right
+    types is a ConfigError naming the key."""
+    spec = node.get(FORWARD)
+    if spec is None:
+        return node, PLAIN_CALL
+    key = f"model.{FORWARD}"
+    require(isinstance(spec, dict), key, f"a mapping of {', '.join(FORWARD_KEYS)}", spec)
+    for name in spec:
+        if name not in FORWARD_KEYS:
+            raise ConfigError(f"{key}.{name}: unknown key; allowed keys: "
+                              f"{', '.join(FORWARD_KEYS)}")
+    targets, logits = spec.get("targets"), spec.get("logits")
+    ignore = spec.get("ignore_index", -100)
+    require(targets is None or isinstance(targets, str) and targets.isidentifier(),
+            f"{key}.targets", "null, or the forward's keyword that takes the targets", targets)
+    require(logits is None or isinstance(logits, str) and logits != "" or
+            isinstance(logits, int) and not isinstance(logits, bool), f"{key}.logits",
+            "null (the output is the logits), a position in the output (0) or a name "
+            "(logits)", logits)
+    require(isinstance(ignore, int) and not isinstance(ignore, bool), f"{key}.ignore_index",
+            "an integer", ignore)
+    return ({k: v for k, v in node.items() if k != FORWARD},
+            ModelCall(targets, logits, ignore))
+
+
+def check_call(model: nn.Module, call: ModelCall, x: torch.Tensor, y: torch.Tensor,
+               sizes: dict[str, int], target: str,
+               loss: Callable[[Any, torch.Tensor], Any] | None = None) -> Any:
+    """One micro-batch through the model as the loop calls it, where the model lies (the meta
+    device: shapes only, no memory, no compute): what the model cannot run (a sequence longer
+    than its block, a width its heads do not divide), a targets keyword its forward lacks, an
+    output without the logits where ``_forward_`` says, or logits of another shape than the
+    data's (token data: [B, T, vocab_size]) is a ConfigError naming the model. An output that
+    is no tensor without ``_forward_.logits`` passes where the data's own `loss` takes it.
+    Returns the output; None where the meta device cannot run the model (a forward that reads
+    a value) or the forward needs a rank (a process group): no check."""
+    try:
+        names = dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError, AttributeError):
+        names = {}
+    if call.targets is not None and names and call.targets not in names and not any(
+            p.kind == p.VAR_KEYWORD for p in names.values()):
+        raise ConfigError(f"model.{FORWARD}.targets={call.targets!r} is not allowed: "
+                          f"{target}'s forward takes no such keyword (it takes "
+                          f"{', '.join(names)})")
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]),
+                  torch.device("cpu"))
+    where = f"a micro-batch of the data's shape (inputs {list(x.shape)})"
+    try:
+        with torch.no_grad():
+            out = call(model, x.to(device), y.to(device))
+    except Exception as e:
+        if device.type == "meta" and meta_limit(e) or needs_a_rank(e):
+            return None
+        raise ConfigError(f"model ({target}) cannot run {where}: {reason(e)}") from None
+    if not isinstance(out, torch.Tensor):
+        if call.logits is None and loss is not None and takes(loss, out, y.to(device)):
+            return out  # the data's loss reads the output itself
+        hint = ("" if call.logits is not None else
+                f": set model.{FORWARD}.logits to the logits' position (0) or name (logits)")
+        raise ConfigError(f"model ({target}) returned {kind_of(out)} for {where}, where "
+                          f"gradsync wants the logits{hint}")
+    vocab = sizes.get("vocab_size")  # a vocabulary padded beyond the data's is fine
+    if vocab is not None and y.dim() == 2 and (tuple(out.shape[:-1]) != tuple(y.shape)
+                                               or out.dim() != 3 or out.shape[-1] < vocab):
+        hint = (f"; without model.{FORWARD}.targets it may predict the last position only"
+                if call.targets is None and out.dim() == 3 and out.shape[1] == 1 else "")
+        raise ConfigError(f"model ({target}) returned logits of shape {list(out.shape)} for "
+                          f"{where}; the data's targets want {[*y.shape, vocab]} (a score for "
+                          f"each of the vocab_size={vocab} tokens at every position){hint}")
+    return out
+
+
+def takes(loss: Callable[[Any, torch.Tensor], Any], out: Any, y: torch.Tensor) -> bool:
+    """Whether a data's loss runs on this output (where the meta device cannot run it: yes)."""
+    try:
+        with torch.no_grad():
+            loss(out, y)
+    except Exception as e:
+        return meta_limit(e)
+    return True
+
+
+def needs_a_rank(e: BaseException) -> bool:
+    """An error that says the forward wants what only a rank has (its process group, its
+    GPU), not that the model is wrong: the check runs in the launcher, before any rank."""
+    text = str(e).lower()
+    return any(w in text for w in ("process group", "init_process_group", "cuda", "nccl"))
+
+
+def meta_limit(e: BaseException) -> bool:
+    """An error that says the meta device cannot run an operation (one that reads a value, as
+    transformers' mask code does), not that the model is wrong."""
+    return isinstance(e, NotImplementedError) or "meta" in str(e).lower()
 
 
 def build_on_meta(node: dict[str, Any], sizes: dict[str, int]) -> Any:

@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from gradsync.components import (
     ConfigError,
+    is_node,
     locate,
     parameters,
     renamed_option,
@@ -89,6 +90,14 @@ def one_line(exc: BaseException, argv: Sequence[str] = (),
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
+def node_of_target(node: dict[str, Any]) -> Any:
+    """A nested node's target, or None where it does not resolve."""
+    try:
+        return locate(node["_target_"])
+    except (ConfigError, KeyError, TypeError):
+        return None
+
+
 def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any] | None) -> str:
     """A key a component's composed node lacks (``model.chanels=8``), named against the
     component Hydra actually composed: the command line composed again without that override
@@ -115,7 +124,15 @@ def unknown_component_key(key: str, argv: Sequence[str], app: Callable[..., Any]
     if "." not in name and (name in accepted or takes_any_keyword(target)):
         return (f"{key}: not in the config of {node['_target_']}, which takes it: add it with "
                 f"+{override.lstrip('+~')}")
-    if name.split(".")[0] in accepted:  # a key inside a mapping argument (model.config.x)
-        return (f"{key}: not in {group}.{name.split('.')[0]} of the config: add it with "
+    head, _, inner = name.partition(".")
+    sub = node.get(head)
+    if isinstance(sub, dict) and is_node(sub) and "." not in inner:  # a nested component
+        nested = node_of_target(sub)
+        if nested is not None and inner not in parameters(nested) \
+                and not takes_any_keyword(nested):
+            return (f"{key}: unknown key for {sub['_target_']}; accepted keys: "
+                    f"{', '.join(sorted(n for n in parameters(nested) if n not in runtime))}")
+    if head in accepted:  # a key inside a mapping argument (model.config.x)
+        return (f"{key}: not in {group}.{head} of the config: add it with "
                 f"+{override.lstrip('+~')}")
     return f"{key}: unknown key for {node['_target_']}{keys}"

@@ -10,8 +10,10 @@ point, its callbacks, the search, the summary's override parser) import Hydra or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
+from gradsync.components import ConfigError, hints, locate, type_text
 from gradsync.config.renames import refuse_renamed_overrides
 from gradsync.config.schema import (
     SCHEMA_GROUPS,
@@ -154,10 +158,31 @@ def register_configs() -> None:
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    """Resolve interpolations and drop OmegaConf types: plain, picklable data."""
-    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    """Resolve interpolations and drop OmegaConf types: plain, picklable data. A value left
+    ``???`` is a ConfigError naming its full key and what it takes."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(missing_value(cfg, e.full_key or str(e))) from None
     assert isinstance(plain, dict)
     return plain  # type: ignore[return-value]
+
+
+def missing_value(cfg: DictConfig, key: str) -> str:
+    """One line for a mandatory value (``???``) left unset: the full key, and, where the
+    component's target or the group's schema says, the type it takes."""
+    parent, _, name = key.rpartition(".")
+    try:
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        hint = (hints(locate(target)).get(name) if target else
+                typing.get_type_hints(schema).get(name) if dataclasses.is_dataclass(schema)
+                else None)
+    except Exception:  # a node that does not resolve: the key alone
+        hint = None
+    what = "" if hint is None else f"{target or 'it'} takes {type_text(hint)}; "
+    return f"{key}: missing (??? in the config): {what}set it, e.g. {key}=..."
 
 
 def conf_dir() -> str:

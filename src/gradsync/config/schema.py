@@ -74,7 +74,9 @@ class TrainerConfig:
     progress_bar: bool = True
     clip_grad_norm: float = 0.0  # 0: no clipping
     timeout_s: int = 300  # process-group timeout
-    deterministic: bool | None = None  # torch deterministic algorithms; null: on for CPU
+    # torch's deterministic algorithms; null: on for CPU without torch's NaN fill of new
+    # tensors, off for CUDA; true: torch's full mode (the fill too) (train/repro.py)
+    deterministic: bool | None = None
     bits: str = "native"  # native | portable: the CPU numerics pinned (core/numerics.py)
     checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
     keep_checkpoints: int = 3  # the newest K step checkpoints stay

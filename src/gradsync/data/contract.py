@@ -36,6 +36,9 @@ class DataBundle:
     # eval metric: how many units of a batch the model got right (accuracy); None: no accuracy
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     tokens_per_sample: float = 1.0  # token data: mean loss tokens per training sequence
+    # token data: every training sequence holds exactly tokens_per_sample loss tokens (windows
+    # of packed text), so a window's token count is known without counting (train/normalize.py)
+    uniform_length: bool = False
 
 
 class DataBuilder(Protocol):

@@ -124,6 +124,15 @@ def chunks(text: bytes, max_len: int, min_len: int = 2) -> list[bytes]:
     return [c for c in out if len(c) >= min_len]
 
 
+def windows(text: bytes, max_len: int) -> list[bytes]:
+    """The text cut into windows of exactly max_len bytes, each starting where the previous
+    one's last byte is (every byte but the first is a target exactly once, as nanoGPT's
+    consecutive windows predict it); a shorter tail is left out, so no window is padded."""
+    step = max_len - 1
+    return [text[i:i + max_len] for i in range(0, len(text) - step, step)
+            if len(text) - i >= max_len]
+
+
 def _root(root: str | None) -> Path:
     return Path(root) if root else stdlib_root()
 
@@ -146,7 +155,7 @@ def _check_stdlib_text(a: dict[str, Any], ctx: CheckContext) -> None:
 
 
 def provenance(max_len: int = 256, max_bytes: int = 2_000_000, eval_fraction: float = 0.1,
-               root: str | None = None) -> dict[str, Any]:
+               root: str | None = None, packed: bool = False) -> dict[str, Any]:
     """What run_info.json records of the corpus: where it came from, its SHA-256 and sizes."""
     corpus = select(_root(root), max_bytes, eval_fraction)
     return {"root": str(corpus.root), "sha256": corpus.sha256,
@@ -159,14 +168,17 @@ def provenance(max_len: int = 256, max_bytes: int = 2_000_000, eval_fraction: fl
 @checks(_check_stdlib_text)
 @provides("vocab_size", "max_len", unit="tokens")
 def stdlib_text(max_len: int = 256, max_bytes: int = 2_000_000, eval_fraction: float = 0.1,
-                root: str | None = None) -> DataBundle:
+                root: str | None = None, packed: bool = False) -> DataBundle:
     """Byte-level next-token prediction on the standard library's .py files (root: another
-    directory of .py files instead); eval loss / ln 2 is bits per byte."""
+    directory of .py files instead); eval loss / ln 2 is bits per byte. packed: the split's
+    files joined and cut into windows of exactly max_len bytes, as nanoGPT trains (no padding,
+    a window may span two files); otherwise chunks cut at blank lines within each file."""
     corpus = select(_root(root), max_bytes, eval_fraction)
 
     def sequences(files: list[str]) -> list[torch.Tensor]:
-        return [torch.frombuffer(bytearray(c), dtype=torch.uint8).long()
-                for f in files for c in chunks(corpus.text[f], max_len)]
+        pieces = (windows(b"".join(corpus.text[f] for f in files), max_len) if packed else
+                  [c for f in files for c in chunks(corpus.text[f], max_len)])
+        return [torch.frombuffer(bytearray(c), dtype=torch.uint8).long() for c in pieces]
 
     return token_bundle(sequences(corpus.train_files), sequences(corpus.eval_files), VOCAB,
                         max_len)

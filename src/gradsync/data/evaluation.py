@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import default_collate
@@ -12,11 +13,14 @@ from gradsync.data.contract import DataBundle
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: DataBundle, rank: int, world_size: int,
-             device: torch.device, batch_size: int = 512) -> dict[str, float]:
+             device: torch.device, batch_size: int = 512,
+             call: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+             | None = None) -> dict[str, float]:
     """Held-out metrics over the whole eval set, each rank scoring a disjoint shard: the loss
     per unit (sample or token), accuracy when the data has a ``correct`` metric, perplexity on
     token data. Every rank runs the same number of forwards (a sharded model's forward is
-    collective): a rank whose shard ran out scores its first sample again and counts nothing."""
+    collective): a rank whose shard ran out scores its first sample again and counts nothing.
+    call(model, x, y): the logits as the loop gets them (models.ModelCall; None: model(x))."""
     was_training = model.training
     model.eval()
     ds = data.eval
@@ -27,7 +31,7 @@ def evaluate(model: torch.nn.Module, data: DataBundle, rank: int, world_size: in
         part = idx[start:start + batch_size]
         x, y = (data.collate or default_collate)([ds[i] for i in part or idx[:1] or [0]])
         x, y = x.to(device), y.to(device)
-        out = model(x)
+        out = model(x) if call is None else call(model, x, y)
         if not part:
             continue
         sums, counts = data.loss(out, y)

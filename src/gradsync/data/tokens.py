@@ -40,9 +40,12 @@ def pad_batch(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_loss_per_sample(out: torch.Tensor,
                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's summed next-token loss over its non-padding targets, and their count."""
-    tokens = F.cross_entropy(out.float().transpose(1, 2), y, reduction="none",
-                             ignore_index=IGNORE_INDEX)  # [B, T], 0 at padding
+    """Each sequence's summed next-token loss over its non-padding targets, and their count
+    (logits [B, T, V], targets [B, T]; in float32). The cross-entropy runs over the B x T rows
+    of V scores, as nanoGPT's and transformers' do (the same bits per token; a [B, V, T] view
+    takes ~1.7x the time on CPU)."""
+    tokens = F.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="none",
+                             ignore_index=IGNORE_INDEX).view(y.shape)  # [B, T], 0 at padding
     return tokens.sum(1), (y != IGNORE_INDEX).sum(1)
 
 
@@ -53,4 +56,5 @@ def token_bundle(train: list[torch.Tensor], held_out: list[torch.Tensor], vocab_
     return DataBundle(TokenSequences(train), TokenSequences(held_out), token_loss_per_sample,
                       {"vocab_size": vocab_size, "max_len": max_len - 1}, unit="tokens",
                       collate=pad_batch, correct=argmax_correct,
-                      tokens_per_sample=float((lengths - 1).mean()))
+                      tokens_per_sample=float((lengths - 1).mean()),
+                      uniform_length=bool((lengths == lengths[0]).all()))

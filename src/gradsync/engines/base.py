@@ -81,8 +81,9 @@ class Engine(Protocol):
     # window in zero_grad() where they only accumulate) and the rank's peak memory (memory.py)
     memory: MemoryMeter
 
-    def __call__(self, *inputs: Any) -> Any:
-        """The forward of one micro-batch (inside micro_batch())."""
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The forward of one micro-batch (inside micro_batch()), with the model's own
+        keyword arguments (models.ModelCall: the targets, where the model takes them)."""
         ...
 
     def micro_batch(self, sync: bool) -> AbstractContextManager[Any]:

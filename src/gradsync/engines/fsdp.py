@@ -291,8 +291,8 @@ class FSDPEngine:
         self.param_dtype = param_dtype
         self.find_unused = find_unused  # zeros reduce-scattered for parameters without gradient
 
-    def __call__(self, *inputs: Any) -> Any:
-        return self.module(*inputs)
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
 
     @contextmanager
     def micro_batch(self, sync: bool) -> Iterator[None]:

@@ -71,8 +71,8 @@ class TorchDDP:
         self.compiled: Compile | None = None  # compile.enabled (build_torch_ddp)
         self.forward: Any = ddp  # what a training micro-batch runs (compiled or not)
 
-    def __call__(self, *inputs: Any) -> Any:
-        return self.forward(*inputs)
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
 
     @contextmanager
     def micro_batch(self, sync: bool) -> Iterator[None]:

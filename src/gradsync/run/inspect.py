@@ -13,7 +13,7 @@ from torch import nn
 from gradsync.config.schema import RunConfig
 from gradsync.data.contract import build_data
 from gradsync.engines import capabilities, settings_of
-from gradsync.models import build_on_meta
+from gradsync.models import build_on_meta, model_call
 from gradsync.sync.layer_sync import REST, ParamInfo, assign, parameter_infos, parse_rules
 
 INSPECT_PARAMS = "+inspect=params"
@@ -24,7 +24,7 @@ def meta_model(model_node: dict[str, Any], data_node: dict[str, Any], seed: int)
     the meta device (no memory for the weights; on the CPU if the model cannot be built
     there)."""
     data = build_data(data_node, seed)
-    return build_on_meta(model_node, data.sizes)
+    return build_on_meta(model_call(model_node)[0], data.sizes)
 
 
 def parameter_table(infos: list[ParamInfo], groups: Any, base: str) -> str:

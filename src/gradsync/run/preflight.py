@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from gradsync import hf
 from gradsync.components import (
     CheckContext,
     ConfigError,
@@ -23,17 +24,18 @@ from gradsync.components import (
     kind_of,
     locate,
     parameters,
+    reason,
     require,
     require_fits,
 )
 from gradsync.config.schema import RunConfig
 from gradsync.config.validate import DATA_SIZES, RUNTIME, check_shape, first_line, validate
-from gradsync.data.contract import build_data, check_bundle
+from gradsync.data.contract import DataBundle, build_data, check_bundle
 from gradsync.engines import able, capabilities, settings_of
-from gradsync.models import build_on_meta
+from gradsync.models import build_on_meta, check_call, model_call
 from gradsync.run.placement import Placement, place_job
 from gradsync.sync.layer_sync import parameter_infos
-from gradsync.train import noise_scale
+from gradsync.train import noise_scale, weight_decay
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
 
 if TYPE_CHECKING:
@@ -70,7 +72,8 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     the policy contract. Returns the model and the policy it built (for the checks after it)."""
     import torch
 
-    data_node, model_node = plain["data"], plain["model"]
+    data_node = plain["data"]
+    model_node, call = model_call(plain["model"])  # _forward_: how the loop calls the model
     ctx = CheckContext("", world, cfg.precision.name, provided={
         "allreduce": cfg.engine.settings.get("allreduce"),
         "clip_grad_norm": cfg.trainer.clip_grad_norm})
@@ -81,21 +84,28 @@ def check_components(plain: dict[str, Any], cfg: RunConfig,
     check_sizes(model_node, cfg.data.target, data.sizes)
     check("model", model_node, tuple(data.sizes),
           replace(ctx, group="model", provided=ctx.provided | {"sizes": data.sizes}))
+    hf.check_nested_configs(model_node, data.sizes)  # a transformers config as a nested node
     model = built("model", cfg.model.target, lambda: build_on_meta(model_node, data.sizes))
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model ({cfg.model.target}): returned {kind_of(model)}, which is no "
                           "torch.nn.Module")
+    probe = probe_batch(data)
+    if probe is not None:
+        check_call(model, call, *probe, data.sizes, cfg.model.target, data.loss)
     tensors = [*model.parameters(), *model.buffers()]
     require_fits(sum(t.numel() * t.element_size() for t in tensors),
                  f"model ({cfg.model.target}): its {sum(p.numel() for p in tensors):,} "
                  "parameters and buffers")
     # sync.groups: every rule must match one of the model's parameters
     ctx.provided["parameters"] = lambda: parameter_infos(model)
-    for group in ("sync", "optimizer", "lr_scheduler"):
-        check(group, plain[group], RUNTIME[group], replace(ctx, group=group))
+    optimizer_node, no_decay = weight_decay.split(plain["optimizer"])
+    weight_decay.check(no_decay, (n for n, _ in model.named_parameters()))
+    for group, node in (("sync", plain["sync"]), ("optimizer", optimizer_node),
+                        ("lr_scheduler", plain["lr_scheduler"])):
+        check(group, node, RUNTIME[group], replace(ctx, group=group))
     check_trackers(plain.get("logger") or {})
     cfg.loss.check(data.unit, cfg.data.target)
-    optimizer = check_optimizer(plain["optimizer"])
+    optimizer = check_optimizer(optimizer_node)
     local_samples = -(-len(data.train) // world)  # type: ignore[arg-type]
     check_lr_scheduler(cfg.lr_scheduler.node, optimizer, total_optimizer_steps(
         build_schedule(cfg.schedule, world), cfg.trainer.max_epochs,
@@ -119,6 +129,18 @@ def check_trackers(loggers: dict[str, Any]) -> None:
                               "start, log, flush, finish)")
 
 
+def probe_batch(data: DataBundle) -> tuple[Any, Any] | None:
+    """A micro-batch of the data's shape for the model's check, made without reading the data:
+    token data's longest (two sequences of max_len tokens); None for other data (no check:
+    its samples may be costly to read, and are read by the ranks)."""
+    import torch
+
+    if data.unit != "tokens" or "max_len" not in data.sizes:
+        return None
+    shape = (2, data.sizes["max_len"])
+    return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+
+
 def built(group: str, target: str, make: Callable[[], Any]) -> Any:
     """What a component's target returns, built for a check: whatever it raises is one line
     naming the component."""
@@ -127,8 +149,7 @@ def built(group: str, target: str, make: Callable[[], Any]) -> Any:
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{group} ({target}) cannot be built: {type(e).__name__}: "
-                          f"{first_line(str(e))}") from None
+        raise ConfigError(f"{group} ({target}) cannot be built: {reason(e)}") from None
 
 
 def check_sizes(model_node: dict[str, Any], data_target: str, sizes: dict[str, int]) -> None:

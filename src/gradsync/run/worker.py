@@ -29,6 +29,7 @@ from gradsync.data.loader import train_loader
 from gradsync.engines import build_engine, settings_of
 from gradsync.engines.compiled import Compile
 from gradsync.engines.trace import TRACE_DIR
+from gradsync.models import model_call
 from gradsync.run import summary as run_summary
 from gradsync.run.faults import (
     PROCESS_FLAG,
@@ -49,6 +50,7 @@ from gradsync.train.normalize import build_normalizer, resolve, shared_steps
 from gradsync.train.precision import build_precision
 from gradsync.train.repro import prepare_cuda_determinism, record_numerics, set_deterministic
 from gradsync.train.schedules import build_schedule, total_optimizer_steps
+from gradsync.train.weight_decay import build_optimizer
 
 log = logging.getLogger("gradsync")
 
@@ -81,7 +83,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     data = build_data(cfg.data.node, seed)
     loader, sampler = train_loader(data.train, micro, rank, world_size, seed, data.collate,
                                    tr.num_workers, pin_memory=device.type == "cuda")
-    model = build(cfg.model.node, data.sizes).to(device)
+    model_node, call = model_call(cfg.model.node)  # _forward_: how the loop calls the model
+    model = build(model_node, data.sizes).to(device)
     seed_rank(seed, rank)  # from here on each rank draws from its own streams
     counts = CommCounts()  # the engine's all-reduces, and a policy's own (local SGD's averaging)
     policy = as_policy(build(cfg.sync.node, {"uses_scaler": cfg.precision.name == "fp16",
@@ -98,7 +101,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
                           compile=Compile(cfg.compile.backend, cfg.compile.mode,
                                           cfg.compile.dynamic) if cfg.compile.enabled else None,
                           **probe)
-    optimizer = build(cfg.optimizer.node)(engine.parameters())
+    # the optimizer's parameters in groups where optimizer.no_decay says (train/weight_decay.py)
+    optimizer = build_optimizer(cfg.optimizer.node, engine.module, engine.parameters())
     schedule = build_schedule(cfg.schedule, world_size, units_per_sample=(
         data.tokens_per_sample if unit == "tokens" else 1.0))
     scaling, tick = cfg.lr_scaling, lr_scaling.clock(cfg.lr_scaling.name, cfg.schedule.name)
@@ -114,7 +118,8 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         lr_scheduler = lr_scaling.ScaledLR(lr_scheduler, optimizer, scaling.name, reference, tick)
     normalizer = build_normalizer(cfg.loss.normalize, data.unit, world_size, device,
                                   data.tokens_per_sample,
-                                  policy.averager.local_step if policy.averager else shared_steps)
+                                  policy.averager.local_step if policy.averager else shared_steps,
+                                  uniform=data.uniform_length)
     return Parts(
         engine=engine,
         optimizer=optimizer,
@@ -125,7 +130,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         policy=policy,
         precision=precision,
         loss=FirstBatchChecked(data, cfg.data.target),  # the loss and correct contracts
-        evaluate=lambda: evaluate(engine.module, data, rank, world_size, device),
+        evaluate=lambda: evaluate(engine.module, data, rank, world_size, device, call=call),
         normalizer=normalizer,
         device=device,
         trainer=tr,
@@ -133,6 +138,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
         micro_batch_size=micro,
         total_steps=total,
         noise=meter,
+        call=call,
     )
 
 

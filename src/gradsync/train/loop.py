@@ -62,6 +62,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gradsync.config.schema import TrainerConfig
 from gradsync.engines.base import Engine
+from gradsync.models import PLAIN_CALL, ModelCall
 from gradsync.sync.averaging import Averager
 from gradsync.sync.comm import CommCounts
 from gradsync.sync.policy import SyncPolicy
@@ -111,6 +112,7 @@ class Parts:
     noise: NoiseScale | None = None  # the gradient noise scale's meter, when measured
     # what this rank computes with (core/numerics.py fingerprint): checkpoints and the summary
     numerics: dict[str, Any] = field(default_factory=dict)
+    call: ModelCall = PLAIN_CALL  # how the model is called, where its logits are (_forward_)
     # --- the worker's hooks (the defaults train without them)
     checkpoint: Callable[[Parts, Progress], None] = lambda p, state: None  # collective
     stop: Stop | None = None  # None: signals are not watched
@@ -180,7 +182,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                               state.epoch_micro, p.device):
             t0 = time.perf_counter()
             loss = run_window(p.engine, window, p.policy, p.loss, p.normalizer,  # 1, 2
-                              p.precision, p.noise)
+                              p.precision, p.noise, p.call)
             lr_factor = before_step(p, state, window)  # the noise scale's norms, LR scaling
             lr = p.optimizer.param_groups[0]["lr"]
             log_now = (state.windows + 1) % tr.log_every == 0
@@ -212,7 +214,7 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
 
 def run_window(engine: Engine, window: Window, policy: SyncPolicy, loss: Callable[..., Any],
                normalizer: Normalizer, precision: Precision | None = None,
-               meter: NoiseScale | None = None) -> torch.Tensor:
+               meter: NoiseScale | None = None, call: ModelCall = PLAIN_CALL) -> torch.Tensor:
     """Forward+backward every micro-batch of one window, each under the policy's decision;
     returns this rank's share of the window's loss (NaN for a window aborted by overflow
     consensus: its loss was never computed in full). `loss(outputs, targets)` gives the
@@ -222,7 +224,8 @@ def run_window(engine: Engine, window: Window, policy: SyncPolicy, loss: Callabl
     compute, so the data order never depends on overflows. The sampler's repeats still run
     forward and backward (a micro-batch of repeats only, too: DDP's collectives must match)
     with no loss. The noise scale's `meter` is told each micro-batch's real units before its
-    backward."""
+    backward. `call`: how the model is called (its targets given where it takes them) and where
+    its output holds the logits (models.ModelCall; plain: ``engine(x)``)."""
     precision = precision or Precision("fp32", "cpu")  # fp32: no autocast, no scaler
     total = torch.zeros((), device=window.device)
     if meter is not None:
@@ -233,7 +236,8 @@ def run_window(engine: Engine, window: Window, policy: SyncPolicy, loss: Callabl
             continue
         with engine.micro_batch(window.should_sync(policy, micro)):
             with precision.autocast():
-                sums, counts = loss(micro.real(engine(micro.x)), micro.y)
+                out = call(engine, micro.x, micro.targets)  # every sample's targets
+                sums, counts = loss(micro.real(out), micro.y)
                 micro_loss = normalizer.micro_loss(window, micro.index, sums, counts)
             if meter is not None:
                 meter.before_backward(micro.index, len(micro.y), counts, engine.parameters())

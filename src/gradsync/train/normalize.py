@@ -113,11 +113,17 @@ class BySamples:
 
 
 class ByTokens:
+    """uniform: every sequence holds exactly tokens_per_sample loss tokens (windows of packed
+    text: DataBundle.uniform_length), so a window's token count is its real samples times that,
+    known without counting: no all-reduce, and a full window's factor is exactly 1 (no
+    rescale)."""
+
     name = "tokens"
 
     def __init__(self, world_size: int, device: torch.device, tokens_per_sample: float,
-                 local: Callable[[], bool] = shared_steps):
+                 local: Callable[[], bool] = shared_steps, uniform: bool = False):
         self.world_size, self.tokens_per_sample = world_size, tokens_per_sample
+        self.uniform = uniform
         self.device = device
         self.local = local  # asked at each window's first micro-batch: this rank's own step?
         self.own = False
@@ -127,6 +133,7 @@ class ByTokens:
         self.constant = 1.0
         self.work: dist.Work | None = None
         self.factor: torch.Tensor | None = None
+        self.known = (1.0, 1.0)  # uniform: the factors to every rank's and this rank's count
 
     def micro_loss(self, window: Window, index: int, sums: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
@@ -138,6 +145,14 @@ class ByTokens:
             # cut_window); the expected local token count keeps the backward's magnitudes
             # (and the fp16 scaler) near those of a per-token mean.
             self.constant = window.local_samples * self.tokens_per_sample
+            if self.uniform:  # the counts are known: every rank's, this rank's own
+                tokens = self.tokens_per_sample
+                self.known = (self.world_size * self.constant
+                              / max(window.global_real * tokens, 1.0),
+                              self.constant / max(self.real * tokens, 1.0))
+                self.factor = torch.tensor(self.known[0], device=self.device)
+        if self.uniform:
+            return sums.sum() / self.constant
         self.tokens += counts.sum()
         if last_micro_batch(index, window.size):
             self.total = self.tokens.clone() if self.own else self.tokens
@@ -171,6 +186,11 @@ class ByTokens:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
+        if self.uniform:  # x 1.0 (a full window of packed text) would change no bit
+            factor = self.known[1] if self.own else self.known[0]
+            if factor != 1.0:
+                torch._foreach_mul_(grads, torch.tensor(factor, device=self.device))
+            return
         if self.own:  # no all-reduce made these: this rank's own mean over its own tokens
             torch._foreach_mul_(grads, (self.constant / self.tokens.clamp_min(1).double())
                                 .float())
@@ -199,15 +219,16 @@ def resolve(name: str, unit: str) -> str:
 
 
 def build_normalizer(name: str, unit: str, world_size: int, device: torch.device,
-                     tokens_per_sample: float,
-                     local: Callable[[], bool] = shared_steps) -> Normalizer:
+                     tokens_per_sample: float, local: Callable[[], bool] = shared_steps,
+                     uniform: bool = False) -> Normalizer:
     """unit: what the data's loss counts (samples or tokens); local: asked once per window,
-    whether its step is this rank's own (the policy's averager's Averager.local_step)."""
+    whether its step is this rank's own (the policy's averager's Averager.local_step);
+    uniform: every sequence holds exactly tokens_per_sample loss tokens (ByTokens)."""
     name = resolve(name, unit)
     if name == "samples":
         return BySamples(world_size, per_unit=unit == "tokens", local=local)
     if name == "tokens":
-        return ByTokens(world_size, device, tokens_per_sample, local)
+        return ByTokens(world_size, device, tokens_per_sample, local, uniform)
     if name == "micro_batch_mean":
         return ByMicroBatchMean()
     raise ValueError(f"unknown loss.normalize {name!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.deterministic
 
 from gradsync.core.files import write_json_atomic
 
@@ -30,12 +31,20 @@ def prepare_cuda_determinism(setting: bool | None) -> None:
 
 
 def set_deterministic(setting: bool | None, device_type: str) -> bool:
-    """Turn torch's deterministic algorithms on or off (None: on for CPU, off for CUDA, where
-    they cost speed). Returns the effective setting."""
+    """Turn torch's deterministic algorithms on or off; returns the effective setting.
+
+    None (trainer.deterministic's default): on for CPU, without torch's fill of every new
+    tensor with NaN (``torch.utils.deterministic.fill_uninitialized_memory``, a check that no
+    kernel reads memory it has not written: no kernel that is correct gives other bits without
+    it, and it costs a write of every new tensor, on a GPT on CPU ~1 % of a step, much more
+    where the ranks' threads contend); off for CUDA, where the deterministic kernels cost speed.
+    True: torch's deterministic mode as torch ships it, the fill included (and cuBLAS's
+    workspace setting on CUDA). False: off."""
     on = device_type == "cpu" if setting is None else setting
     if on and device_type == "cuda":
         prepare_cuda_determinism(setting)
     torch.use_deterministic_algorithms(on)
+    torch.utils.deterministic.fill_uninitialized_memory = setting is not None  # type: ignore[attr-defined]
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = False
     return on

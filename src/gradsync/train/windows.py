@@ -64,16 +64,23 @@ class Shard:
 @dataclass(frozen=True)
 class MicroBatch:
     """Micro-batch `index` of its window: `x`, every sample of it (each runs forward and
-    backward: the ranks' collectives must match), and `y`, the targets of its real samples only
+    backward: the ranks' collectives must match), its `targets` (every sample's: a model may
+    take them, nanoGPT's forward(idx, targets)), of which the first `keep` are the real samples'
     (the sampler's repeats hold no loss)."""
 
     index: int
     x: Any
-    y: Any
+    targets: Any
+    keep: int
+
+    @property
+    def y(self) -> Any:
+        """The real samples' targets."""
+        return self.targets if self.keep == len(self.targets) else self.targets[:self.keep]
 
     def real(self, out: Any) -> Any:
-        """The model's outputs of the real samples (the first len(y) of the micro-batch)."""
-        return out if len(out) == len(self.y) else out[:len(self.y)]
+        """The model's outputs of the real samples (the first `keep` of the micro-batch)."""
+        return out if len(out) == self.keep else out[:self.keep]
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,10 @@ class Window:
             x, y = next(self.batches)
             keep = min(real_left, len(y))
             real_left -= keep
-            if keep < len(y):
-                y = y[:keep]
             if self.device is not None:
                 x = x.to(self.device, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
-            yield MicroBatch(index, x, y)
+            yield MicroBatch(index, x, y, keep)
 
     def should_sync(self, policy: SyncPolicy, micro: MicroBatch) -> bool:
         """The policy's decision for this micro-batch; UnsyncedWindow where it would end the
