@@ -108,3 +108,24 @@ def test_a_checkpoint_written_under_the_old_names_resumes_bitwise(references, po
 
     check(Case("written under the old names", EXACT_RUNS["fp32"], old_checkpoint), references,
           pool2, tmp_path, cli_env)
+
+
+def test_a_job_of_an_older_sweep_reads_with_its_window_size(tmp_path):
+    """A sweep dir holding a job written before the rename (summary.json and metrics.jsonl
+    with accum_steps) still gives its N and global batch in the sweep summary's row."""
+    import yaml
+
+    from gradsync.run import sweep
+
+    job = tmp_path / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"overrides": {"task": ["schedule.accum_steps=4"]}, "job": {"num": 0}}}))
+    (job / "summary.json").write_text(json.dumps(
+        {"status": "completed", "world_size": 2, "micro_batch_size": 8, "accum_steps": 4}))
+    (job / "metrics.jsonl").write_text(json.dumps(
+        {"samples": 64, "loss": 1.5, "noise_scale": 12.0, "accum_steps": 4}) + "\n")
+    read = sweep._read_job(job)
+    assert read.summary["window_size"] == 4 and "accum_steps" not in read.summary
+    assert sweep._global_batch(read.summary) == 64
+    assert read.noise == [(64, 12.0, 4)]
