@@ -39,8 +39,8 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 def test_the_default_experiment_trains_the_recorded_bits(tmp_path, cli_env, capsys):
     """...and regenerates what the docs quote of it: docs/runs.md's end-of-run lines (but the
     samples/s and wall seconds they measured) and the N = 4 row of docs/sweeps.md's make sweep
-    table (the same run: accum_sweep's N = 4 job is the default experiment; native bits print
-    the same digits on this project's machines)."""
+    table (the same run: accum_sweep's N = 4 job is the default experiment; the sweep ran on
+    native bits, so the train loss's last printed digit is compared as a number)."""
     run_dir = tmp_path / "run"
     code, _, err = Job(run_dir, ["trainer.progress_bar=false", "trainer.backend=gloo",
                                  "trainer.bits=portable"], cli_env).finish()
@@ -63,8 +63,11 @@ def test_the_default_experiment_trains_the_recorded_bits(tmp_path, cli_env, caps
                if line.startswith("| 2 | 4 | completed |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     metrics = final_metrics(s)
-    assert cells[4:8] == [sweep._cell("optimizer_steps", 360)] + [
-        sweep._cell(k, metrics[k]) for k in ("final_train_loss", "eval_loss", "eval_accuracy")]
+    # the table's sweep ran on native bits: the train loss's last printed digit may differ
+    # from this portable run's (0.00995969 native here, 0.0099597 portable = an AVX2 machine's)
+    assert cells[4] == sweep._cell("optimizer_steps", 360)
+    assert float(cells[5]) == pytest.approx(metrics["final_train_loss"], rel=1e-6)
+    assert cells[6:8] == [sweep._cell(k, metrics[k]) for k in ("eval_loss", "eval_accuracy")]
     assert cells[9] == sweep._cell("sent_bytes", metrics["sent_bytes"])
 
 

@@ -215,7 +215,9 @@ def wire(s: dict[str, Any]) -> str:
 
 def report(run_dir: Path, s: dict[str, Any]) -> None:
     """The lines a completed run prints (a noise scale with no value: why, one line)."""
-    evals = " ".join(f"eval_{k}={v:.4f}" for k, v in s["eval"].items())
+    # the loss first, then the data's other metrics by name (summary.json's keys come sorted)
+    order = sorted(s["eval"], key=lambda k: (k != "loss", k))
+    evals = " ".join(f"eval_{k}={s['eval'][k]:.4f}" for k in order)
     if s.get("noise_scale_note"):
         print(f"gradsync: warning: no gradient noise scale at the end of the run: "
               f"{s['noise_scale_note']} (summary.json: noise_scale null)", file=sys.stderr,
