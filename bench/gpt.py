@@ -42,7 +42,7 @@ TOKENS_PER_STEP = 2 * 8 * 4 * 64
 # the reference's settings, stated on gradsync's command line too (the experiment YAML holds
 # the same), so the two cannot drift apart
 SETTING = ["data.max_len=65", "data.packed=true", "schedule.micro_batch_size=8",
-           "schedule.accum_steps=4", "optimizer.lr=0.001", "optimizer.betas=[0.9,0.99]",
+           "schedule.window_size=4", "optimizer.lr=0.001", "optimizer.betas=[0.9,0.99]",
            "optimizer.weight_decay=0.1", "optimizer.no_decay=[bias,norm]",
            "lr_scheduler.warmup_steps=30", "lr_scheduler.min_lr_ratio=0.1",
            "lr_scheduler.warmup=nanogpt", "trainer.devices=2", "trainer.clip_grad_norm=1.0"]
@@ -115,7 +115,8 @@ def run_gradsync(nanogpt: Path, out: Path, steps: int, horizon: int, seed: int,
     exe = Path(sys.executable).with_name("gradsync-train")
     cpu = job([str(exe), "--config-dir", str(REPO / "examples" / "nanogpt" / "conf"),
          "experiment=nanogpt", *SETTING, f"trainer.max_steps={steps}", f"seed={seed}",
-         "trainer.progress_bar=false", "trainer.log_every=10", "trainer.checkpoint_every=0",
+         "trainer.progress_bar=false", "trainer.log_every_windows=10",
+         "trainer.checkpoint_every_steps=0",
          f"hydra.run.dir={out}", *extra], nanogpt, out.parent)
     assert horizon == steps, "gradsync's cosine ends at trainer.max_steps"
     ea = EventAccumulator(str(out / "tb"))

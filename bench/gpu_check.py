@@ -438,8 +438,9 @@ def capability(index: int) -> tuple[int, int]:
 
 # --- 4. kill -9 and resume, bitwise ------------------------------------------------------------
 RESUME_ARGS = ["data=synthetic", "data.num_samples=512", "model.dropout=0.1", "optimizer=adamw",
-               "schedule.accum_steps=2", "trainer.max_steps=60", "trainer.checkpoint_every=10",
-               "trainer.log_every=1", "trainer.deterministic=true", "seed=3"]
+               "schedule.window_size=2", "trainer.max_steps=60",
+               "trainer.checkpoint_every_steps=10", "trainer.log_every_windows=1",
+               "trainer.deterministic=true", "seed=3"]
 
 
 def rows(run_dir: Path) -> list[tuple]:
@@ -533,8 +534,8 @@ POLICIES: list[Costs] = [
     Costs("AdaScale", ["lr_scaling=adascale"], 1, 1, (NOISE,),
           "1 (the noise scale's flush, every window)"),
     Costs("adaptive schedule (every 2)",
-          ["schedule=adaptive", f"schedule.initial_accum_steps={ACCUM}",
-           f"schedule.min_accum_steps={ACCUM}", f"schedule.max_accum_steps={ACCUM}",
+          ["schedule=adaptive", f"schedule.initial_window_size={ACCUM}",
+           f"schedule.min_window_size={ACCUM}", f"schedule.max_window_size={ACCUM}",
            "schedule.every_steps=2"], 0.5, 0.5, (NOISE,),
           "1/2 (the noise scale's flush every `every` steps)"),
     Costs("gradient_as_bucket_view=false", ["engine.gradient_as_bucket_view=false"], 0, 0),
@@ -549,7 +550,7 @@ POLICIES: list[Costs] = [
 def with_accum(overrides: list[str]) -> list[str]:
     """`overrides`, windows of ACCUM micro-batches first unless they choose the schedule."""
     own = any(o.startswith("schedule=") for o in overrides)
-    return [*([] if own else [f"schedule.accum_steps={ACCUM}"]), *overrides]
+    return [*([] if own else [f"schedule.window_size={ACCUM}"]), *overrides]
 
 
 # what measure_policies writes on stderr before each policy: the syncs torch reports there
@@ -791,8 +792,8 @@ ENGINES = ("torch_ddp", "gradsync", "fsdp", "hsdp")
 ENGINE_ARGS = {"hsdp": ["engine.replicas=2"]}  # a replicate dimension of 2: mesh (2, 1)
 MATRIX_BASE = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16",
                "schedule.micro_batch_size=8", "model.hidden_sizes=[32]", "trainer.max_epochs=1",
-               "trainer.log_every=2",
-               "trainer.checkpoint_every=2", "trainer.progress_bar=false"]
+               "trainer.log_every_windows=2",
+               "trainer.checkpoint_every_steps=2", "trainer.progress_bar=false"]
 MATRIX_EXTRA = [("trace_sync", ["engine.trace_sync=true"]),
                 ("check_replicas", ["trainer.check_replicas=1"]),
                 ("local SGD (every 2), check_replicas",
@@ -932,7 +933,7 @@ def engine_matrix(check: Check, out: Path) -> None:
 
 
 # --- 7. LM tokens/s next to a hand-written loop ------------------------------------------------
-LM = ["experiment=lm_accum_sweep", "trainer.eval_every=0"]
+LM = ["experiment=lm_accum_sweep", "trainer.eval_every_steps=0"]
 LM_DRY = ["data.num_samples=128"]  # the CPU: a taste, not a measurement
 
 

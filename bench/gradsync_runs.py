@@ -31,7 +31,7 @@ def config(accum: int, sync: str, overrides: list[str]) -> dict:
         f"schedule.micro_batch_size={w.MICRO}", "model=mlp", f"model.hidden_sizes={w.HIDDEN}",
         "model.activation=relu", "optimizer=sgd", f"optimizer.lr={w.LR}",
         f"optimizer.momentum={w.MOMENTUM}", "lr_scheduler=none",
-        f"schedule.accum_steps={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
+        f"schedule.window_size={accum}", f"sync={sync}", f"trainer.devices={w.WORLD}",
         "trainer.backend=gloo", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
     ]
     cfg = compose_plain(workload + overrides)

@@ -63,11 +63,11 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
     # where local SGD's time goes (docs/benchmark.md): its rows' logging off, then its
     # averaging off too (the loop on no_sync() alone)
     "gradsync local_sgd H=8 (no logging)": (
-        "gradsync_runs", "run", {"sync": "local_sgd",
-                                 "overrides": ("sync.every=8", "trainer.log_every=1000000")}),
+        "gradsync_runs", "run", {"sync": "local_sgd", "overrides": (
+            "sync.every=8", "trainer.log_every_windows=1000000")}),
     "gradsync local_sgd (no logging or averaging)": (
-        "gradsync_runs", "run", {"sync": "local_sgd",
-                                 "overrides": ("sync.every=1000000", "trainer.log_every=1000000")}),
+        "gradsync_runs", "run", {"sync": "local_sgd", "overrides": (
+            "sync.every=1000000", "trainer.log_every_windows=1000000")}),
     "gradsync diloco H=8": ("gradsync_runs", "run",
                             {"sync": "diloco", "overrides": ("sync.every=8",)}),
     # engine=gradsync (engines/gradsync_ddp.py) beside torch's DDP (the rows above),

@@ -13,17 +13,17 @@ from gradsync.run.preflight import preflight
 EXACT_RESUME = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64",
                 "data.in_dim=8", "data.out_dim=2", "schedule.micro_batch_size=8",
                 "model.hidden_sizes=[16]", "model.activation=tanh", "model.dropout=0.1",
-                "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
+                "optimizer=adamw", "optimizer.lr=0.01", "schedule.window_size=3",
                 "lr_scheduler.warmup_steps=2", "trainer.threads_per_worker=1",
                 "trainer.progress_bar=false"]
 STEPS_PER_EPOCH = 5
 # A command-line job of that config, 300 steps long, so that a signal sent while it trains lands
 # well before its end (the ranks agree on a stop within about 0.1 s, which may be tens of these
-# tiny steps). log_every is beyond the run: rows reach metrics.jsonl only through the flush
+# tiny steps). log_every_windows is beyond the run: rows reach metrics.jsonl only through the flush
 # before every checkpoint (and at a stop), so a kill -9 that loses rows pending at a checkpoint
 # shows.
-LONG_JOB = [*EXACT_RESUME, "trainer.max_epochs=60", "trainer.log_every=1000",
-            "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3", "seed=11"]
+LONG_JOB = [*EXACT_RESUME, "trainer.max_epochs=60", "trainer.log_every_windows=1000",
+            "trainer.checkpoint_every_steps=10", "trainer.keep_checkpoints=3", "seed=11"]
 LONG_JOB_STEPS = 60 * STEPS_PER_EPOCH
 # what summary.json holds that a resumed run must reproduce exactly (timings aside)
 SAME = ("optimizer_steps", "windows", "samples_seen", "final_train_loss", "eval",

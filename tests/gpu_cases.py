@@ -38,10 +38,10 @@ def hot_path(precision: str) -> dict:
     device = one_rank_nccl()
     cfg = compose_plain(["trainer.backend=nccl", "trainer.devices=1", f"precision={precision}",
                          "trainer.clip_grad_norm=1.0", "data=synthetic", "data.num_samples=1024",
-                         "schedule.accum_steps=2", "model.dropout=0.1"])
+                         "schedule.window_size=2", "model.dropout=0.1"])
     preflight(cfg, Placement("nccl", 1))
     p = build_parts(RunConfig.from_plain(cfg), 0, 1, device)
-    epoch = windows(p.loader, 0, p.schedule.accum_steps(0), device=p.device)
+    epoch = windows(p.loader, 0, p.schedule.window_size(0), device=p.device)
 
     def window() -> torch.Tensor | None:
         cut = next(epoch, None)
@@ -102,8 +102,8 @@ def powersgd_rng() -> dict:
 # the drift of local SGD / DiLoCo is max-reduced at every log step (fault 1).
 BASE = ["data=synthetic", "data.num_samples=199", "data.eval_samples=64", "data.in_dim=8",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
-        "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01", "schedule.accum_steps=3",
-        "trainer.max_epochs=2", "trainer.log_every=1", "trainer.checkpoint_every=2",
+        "model.dropout=0.1", "optimizer=adamw", "optimizer.lr=0.01", "schedule.window_size=3",
+        "trainer.max_epochs=2", "trainer.log_every_windows=1", "trainer.checkpoint_every_steps=2",
         "trainer.keep_checkpoints=50", "trainer.check_replicas=1", "trainer.deterministic=true",
         "trainer.progress_bar=false", "seed=5"]
 FP16 = ["precision=fp16", "precision.init_scale=4194304.0", "precision.growth_interval=3"]

@@ -138,7 +138,7 @@ def test_the_model_averaging_rows_run_their_policy_every_8_windows():
                         ("gradsync local_sgd (no logging or averaging)", 1_000_000)]:
         _, _, kwargs = harness.VARIANTS[name]
         cfg = gradsync_runs.config(1, kwargs["sync"], list(kwargs["overrides"]))
-        assert (build(cfg["sync"]).every, cfg["trainer"]["log_every"]) == (every, 1_000_000)
+        assert (build(cfg["sync"]).every, cfg["trainer"]["log_every_windows"]) == (every, 1_000_000)
         assert "," not in name  # --variants splits on commas
 
 

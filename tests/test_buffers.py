@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.dist]
 BATCHNORM = ["data=synthetic", "data.num_samples=203", "data.eval_samples=61", "data.in_dim=8",
              "data.out_dim=2", "schedule.micro_batch_size=8",
              "model._target_=components_for_tests.BatchNormMLP", "~model.hidden_sizes",
-             "~model.activation", "~model.dropout", "schedule.accum_steps=2",
-             "optimizer.lr=0.05", "trainer.max_epochs=2", "trainer.checkpoint_every=5",
-             "trainer.eval_every=4", "trainer.progress_bar=false",
+             "~model.activation", "~model.dropout", "schedule.window_size=2",
+             "optimizer.lr=0.05", "trainer.max_epochs=2", "trainer.checkpoint_every_steps=5",
+             "trainer.eval_every_steps=4", "trainer.progress_bar=false",
              "trainer.threads_per_worker=1"]
 
 

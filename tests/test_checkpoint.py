@@ -168,7 +168,7 @@ def test_a_fresh_start_over_existing_checkpoints_is_refused(tmp_path, cfg):
 def test_only_trainer_settings_may_change_on_resume(tmp_path, cfg):
     write_steps(tmp_path / "checkpoints", cfg, [4])
     more = json.loads(json.dumps(cfg))
-    more["trainer"].update(max_steps=1000, log_every=1, checkpoint_every=7)
+    more["trainer"].update(max_steps=1000, log_every_windows=1, checkpoint_every_steps=7)
     assert resolve_resume("auto", tmp_path, more, 2, [], sharded=False) is not None
     with pytest.raises(ResumeError, match="written by 2 processes, this run has 3"):
         resolve_resume("auto", tmp_path, cfg, 3, [], sharded=False)
@@ -190,7 +190,7 @@ def test_epochwise_keys_compare_equal_after_the_sidecar_json(tmp_path):
     write_steps(tmp_path / "checkpoints", cfg, [4])
     edited = json.loads(json.dumps(cfg))
     edited["trainer"]["max_epochs"] = 99
-    edited["schedule"]["accum_steps_by_epoch"] = cfg["schedule"]["accum_steps_by_epoch"]
+    edited["schedule"]["window_size_by_epoch"] = cfg["schedule"]["window_size_by_epoch"]
     assert resolve_resume("auto", tmp_path, edited, 2, [], sharded=False) is not None
 
 
@@ -295,7 +295,7 @@ def test_run_info_reads_the_git_state_when_called_and_keeps_earlier_starts(tmp_p
 
 
 @pytest.mark.parametrize("key,value,allowed", [
-    ("checkpoint_every", -1, "an integer >= 0"), ("keep_checkpoints", 0, "an integer >= 1"),
+    ("checkpoint_every_steps", -1, "an integer >= 0"), ("keep_checkpoints", 0, "an integer >= 1"),
     ("num_workers", -2, "an integer >= 0"), ("fail_at_step", 0, "-1 (never)")])
 def test_new_trainer_keys_are_validated(cfg, key, value, allowed):
     bad = json.loads(json.dumps(cfg))

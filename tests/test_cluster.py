@@ -36,7 +36,7 @@ JOB = ["data=synthetic", "data.num_samples=256", "trainer.max_steps=4",
        "trainer.progress_bar=false", "trainer.threads_per_worker=1"]
 SWEEP = ["--multirun", "seed=0,1"]
 SAME_NUMBERS = ("optimizer_steps", "samples_seen", "final_train_loss", "eval", "world_size",
-                "sync_backwards", "allreduce_calls", "allreduce_bytes", "accum_steps", "seed")
+                "sync_backwards", "allreduce_calls", "allreduce_bytes", "window_size", "seed")
 
 
 def free_port() -> int:

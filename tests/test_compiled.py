@@ -23,10 +23,10 @@ pytestmark = [pytest.mark.dist]
 
 # the transformer on 64 token sequences of 4 to 16 tokens: lengths vary between micro-batches
 TOKENS = ["model=transformer", "data=synthetic_lm", "data.num_samples=64", "data.eval_samples=16",
-          "data.max_len=16", "schedule.micro_batch_size=4", "schedule.accum_steps=2",
+          "data.max_len=16", "schedule.micro_batch_size=4", "schedule.window_size=2",
           "trainer.max_epochs=1", "optimizer.lr=0.1", "lr_scheduler.warmup_steps=1",
-          "trainer.log_every=1", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
-          "trainer.backend=gloo", "trainer.timeout_s=120", "seed=3"]
+          "trainer.log_every_windows=1", "trainer.threads_per_worker=1",
+          "trainer.progress_bar=false", "trainer.backend=gloo", "trainer.timeout_s=120", "seed=3"]
 COMPILED = ["compile.enabled=true", "compile.backend=aot_eager"]
 CASES = {"torch_ddp accumulate": ["sync=accumulate"],
          "torch_ddp always": ["sync=always"],

@@ -28,8 +28,8 @@ from test_install import build_wheel
 
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
-        "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
-        "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
+        "schedule.window_size=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
+        "trainer.threads_per_worker=1", "trainer.checkpoint_every_steps=0"]
 
 
 def with_policy(target: str, extra: list[str] = (), **kwargs) -> dict:
@@ -107,7 +107,7 @@ def test_a_policy_that_never_synchronises_is_stopped_before_the_first_step(pool2
                             "rank would step on gradients of its own"), m
     assert not (tmp_path / "checkpoints").exists()  # no step was taken, nothing written
     # a policy that synchronised an earlier micro-batch of the window is told so
-    cfg = with_policy("components_for_tests.SyncFirstOnly", ["schedule.accum_steps=3"])
+    cfg = with_policy("components_for_tests.SyncFirstOnly", ["schedule.window_size=3"])
     messages = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path / "first"),
                          "UnsyncedWindow")
     for m in messages:
@@ -184,7 +184,7 @@ def test_the_example_project_runs_from_its_own_directory(tmp_path, cli_env):
                                       "allowed: an integer >= 0")
     assert not (project / "out" / "refused").exists()
     done = cli(["--config-dir", "conf", "experiment=cnn", "trainer.max_steps=5",
-                "sync.warmup_windows=2", "schedule.accum_steps=3", "trainer.progress_bar=false",
+                "sync.warmup_windows=2", "schedule.window_size=3", "trainer.progress_bar=false",
                 "trainer.threads_per_worker=1", "hydra.run.dir=out/run"], project, cli_env)
     assert done.returncode == 0, done.stderr
     run = project / "out" / "run"

@@ -25,6 +25,7 @@ from gradsync.train import weight_decay
 from gradsync.train.precision import Precision
 from gradsync.train.schedules import build_schedule
 from gradsync.train.weight_decay import build_optimizer
+from test_renames import WINDOW_CASES
 
 register_schemas()
 GROUPS = ["model", "optimizer", "schedule", "sync", "precision", "data", "trainer",
@@ -69,7 +70,7 @@ def test_every_option_composes_validates_and_builds(group, option):
     sched = build(cfg["lr_scheduler"], {"optimizer": opt, "total_steps": 10})
     assert sched.get_last_lr()[0] > 0
     schedule = build_schedule(run.schedule, world_size=2)
-    assert schedule.accum_steps(0) >= 1
+    assert schedule.window_size(0) >= 1
     policy = build(cfg["sync"])
     assert [policy.should_sync(i, 4) for i in range(4)] == SYNCS[policy.name]
     with Precision(run.precision.name, "cpu").autocast():
@@ -137,7 +138,7 @@ def test_default_experiment_is_digits_mlp_two_workers_accumulate_4_fp32():
     cfg = compose_plain([])
     assert (cfg["data"]["_target_"], cfg["model"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.data.digits", "gradsync.models.MLP", 2)
-    assert (cfg["sync"]["_target_"], cfg["schedule"]["accum_steps"],
+    assert (cfg["sync"]["_target_"], cfg["schedule"]["window_size"],
             cfg["precision"]["name"]) == ("gradsync.sync.policies.AccumulateSync", 4, "fp32")
 
 
@@ -145,7 +146,7 @@ def test_global_batch_schedule_derives_n_from_world_and_micro_batch():
     cfg = compose_plain(["schedule=global_batch", "schedule.global_batch_size=96",
                          "schedule.micro_batch_size=8", "trainer.devices=3"])
     preflight(cfg)
-    assert build_schedule(RunConfig.from_plain(cfg).schedule, 3).accum_steps(0) == 4
+    assert build_schedule(RunConfig.from_plain(cfg).schedule, 3).window_size(0) == 4
     cfg["schedule"]["global_batch_size"] = 100
     with pytest.raises(ConfigError, match="schedule.global_batch_size.*3 x 8 = 24"):
         preflight(cfg)
@@ -159,8 +160,8 @@ def test_nccl_without_cuda_is_refused():
 
 # Refused by preflight(), each with the one line the command line prints after "config error: ".
 REFUSED = [
-    (["schedule.accum_steps=0"], "schedule.accum_steps=0 is not allowed: an integer >= 1"),
-    (["schedule.accum_steps=-3"], "schedule.accum_steps=-3 is not allowed"),
+    (["schedule.window_size=0"], "schedule.window_size=0 is not allowed: an integer >= 1"),
+    (["schedule.window_size=-3"], "schedule.window_size=-3 is not allowed"),
     (["schedule=global_batch", "schedule.global_batch_size=100"],
      "schedule.global_batch_size=100 is not allowed: a positive multiple of world_size x "
      "schedule.micro_batch_size = 2 x 16 = 32"),
@@ -182,7 +183,7 @@ REFUSED = [
      "gradsync.sync.policies.AccumulateSync; accepted keys: compression, groups, powersgd_rank"),
     (["+sync.uses_scaler=true"], "sync.uses_scaler: set by gradsync at run time"),
     (["schedule=constant", "+schedule.global_batch_size=64"],
-     "schedule.global_batch_size: unknown key; allowed keys: accum_steps, micro_batch_size, name"),
+     "schedule.global_batch_size: unknown key; allowed keys: micro_batch_size, name, window_size"),
     (["model._target_=nosuchpackage.Model"], "model._target_='nosuchpackage.Model': no module"),
     (["model._target_=gradsync.models.NoSuchModel"],
      "model._target_='gradsync.models.NoSuchModel': gradsync.models has no NoSuchModel"),
@@ -230,11 +231,11 @@ def test_bad_values_are_refused_naming_the_key(args, expected):
 
 
 def test_an_epochwise_map_with_new_epochs_replaces_the_default_map():
-    cfg = compose_plain(["schedule=epochwise", "schedule.accum_steps_by_epoch={0:2,3:8}"])
+    cfg = compose_plain(["schedule=epochwise", "schedule.window_size_by_epoch={0:2,3:8}"])
     preflight(cfg)
-    assert cfg["schedule"]["accum_steps_by_epoch"] == {0: 2, 3: 8}
+    assert cfg["schedule"]["window_size_by_epoch"] == {0: 2, 3: 8}
     sched = build_schedule(RunConfig.from_plain(cfg).schedule, 2)
-    assert [sched.accum_steps(e) for e in range(5)] == [2, 2, 2, 8, 8]
+    assert [sched.window_size(e) for e in range(5)] == [2, 2, 2, 8, 8]
 
 
 # The command line: one line, exit 2, no run dir, also for errors Hydra raises while composing
@@ -244,7 +245,7 @@ BAD = [
     (["trainer.foo=1"], "trainer.foo: unknown key; allowed keys: backend, bits, check_replicas"),
     (["+bogus=1"], "bogus: unknown key; allowed keys: compile, data, engine, logger, loss, "
                    "lr_scaling, lr_scheduler"),
-    (["schedule.accum_steps=abc"], "schedule.accum_steps: Value 'abc'"),
+    (["schedule.window_size=abc"], "schedule.window_size: Value 'abc'"),
     (["sync.name=amp_aware"], "sync.name: unknown key for gradsync.sync.policies.AccumulateSync; "
      "accepted keys: compression, groups, powersgd_rank, powersgd_start_backwards"),
     (["data._target_=components_for_tests.data_whose_check_fails"],
@@ -479,7 +480,7 @@ def test_the_config_check_builds_nothing_and_the_preflight_builds_every_part():
 
     cfg = with_nodes(data={"_target_": "components_for_tests.not_data"})
     run = validate(cfg, 2, "cpu")
-    assert (run.data.target, run.micro_batch_size, run.schedule.accum_steps) == (
+    assert (run.data.target, run.micro_batch_size, run.schedule.window_size) == (
         "components_for_tests.not_data", 16, 4)
     with pytest.raises(ConfigError, match=r"^data \(components_for_tests.not_data\): returned a "
                                           r"dict, which is no gradsync.data.DataBundle"):
@@ -505,6 +506,7 @@ RENAMED_CASES = {
     "trainer.compile_dynamic": ([], "false"),
     "trainer.noise_scale": ([], "true"),
     "trainer.noise_scale_decay": ([], "0.9"),
+    **WINDOW_CASES,  # the window's size and the cadences' units (tests/test_renames.py)
 }
 
 

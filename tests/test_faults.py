@@ -99,7 +99,7 @@ def test_a_failing_worker_ends_the_job_quickly_naming_the_rank(tmp_path, cli_env
             "hung": ["trainer.timeout_s=5"]}[how]
     launcher = ("-c", PLANTING_LAUNCHER, str(marker)) if how == "killed" else ("-m",
                                                                               "gradsync.run.main")
-    job = long_job(run_dir, "trainer.log_every=1", *args, env=env, launcher=launcher)
+    job = long_job(run_dir, "trainer.log_every_windows=1", *args, env=env, launcher=launcher)
     job.wait_for_step(4)
     if how == "raises":  # the store listens on loopback only; what a stranger writes is ignored
         (address, port), = listening_sockets(job.proc.pid)
@@ -209,7 +209,7 @@ def test_one_job_per_run_dir_sigint_to_the_launcher_and_files_follow_the_umask(
     exit code 130, saying SIGINT, and the printed resume command pastes into a shell. Then
     refused starts in the finished run dir leave every file byte-identical."""
     run_dir = tmp_path / "run dir"
-    job = long_job(run_dir, "trainer.log_every=1", "trainer.max_epochs=100000", env=cli_env,
+    job = long_job(run_dir, "trainer.log_every_windows=1", "trainer.max_epochs=100000", env=cli_env,
               preexec_fn=lambda: os.umask(0o077))
     job.wait_for_step(3)
     hydra = files(run_dir / ".hydra")
@@ -379,7 +379,7 @@ def test_a_killed_launcher_leaves_nothing_and_its_run_dir_is_taken_only_once_all
     lock = run_dir / rundir.LOCK
     env = cli_env | ({"GRADSYNC_START_METHOD": "spawn"} if method == "spawn" else {})
     shm_before = _shm_names()
-    job = long_job(run_dir, "trainer.max_epochs=100000", "trainer.log_every=1", env=env)
+    job = long_job(run_dir, "trainer.max_epochs=100000", "trainer.log_every_windows=1", env=env)
     end = time.monotonic() + 240
     if stage == "spawned":
         while not _ranks_started(job):

@@ -47,10 +47,10 @@ MLP = ["data=synthetic", "data.num_samples=199", "data.eval_samples=31", "data.i
        "model.activation=tanh", "optimizer=adamw", "optimizer.lr=0.01",
        "schedule=global_batch", "schedule.global_batch_size=48", "lr_scheduler.warmup_steps=2",
        "trainer.max_epochs=1",
-       "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=2",
-       "trainer.checkpoint_every=0"]
+       "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every_windows=2",
+       "trainer.checkpoint_every_steps=0"]
 WINDOWS, MICRO = 5, 13
-CHECKPOINTS = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=2"]  # steps 4, 5 kept
+CHECKPOINTS = ["trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=2"]  # steps 4, 5 kept
 PARAMS = 15 * 8 + 15 + 12 * 15 + 12 + 2 * 12 + 2  # 353 numbers
 PADDED = [16 * 8 + 16, 12 * 15 + 12, 2 * 12 + 2]  # per unit on 2 shards: 144, 192, 26
 # token data: 53 sequences, micro 4 (7 micro-batches per rank, the last with rank 1's repeat),
@@ -61,10 +61,10 @@ PADDED = [16 * 8 + 16, 12 * 15 + 12, 2 * 12 + 2]  # per unit on 2 shards: 144, 1
 LM = ["model=transformer", "model.d_model=16", "model.mlp_ratio=2", "model.n_layers=2",
       "data=synthetic_lm", "data.num_samples=53", "data.eval_samples=16", "data.vocab_size=16",
       "data.min_len=2", "data.max_len=24", "schedule.micro_batch_size=4", "optimizer=sgd",
-      "optimizer.lr=0.3", "optimizer.momentum=0.9", "schedule.accum_steps=2",
+      "optimizer.lr=0.3", "optimizer.momentum=0.9", "schedule.window_size=2",
       "loss.normalize=tokens",
       "lr_scheduler=none", "trainer.max_epochs=1", "trainer.threads_per_worker=1",
-      "trainer.progress_bar=false", "trainer.checkpoint_every=0"]
+      "trainer.progress_bar=false", "trainer.checkpoint_every_steps=0"]
 
 FSDP, HSDP_2x1, HSDP_1x2 = (["engine=fsdp"],
                             ["engine=hsdp", "engine.replicas=2"],
@@ -316,7 +316,7 @@ def test_resume_across_engines_and_world_sizes_is_refused_where_it_cannot_hold(r
     # with N fixed instead (3 micro-batches of 8 per window), step 4 is window 4 of the epoch on
     # 2 ranks: 4 x 3 x 8 x 2 = 192 samples, a whole number of 1 rank's windows (24 samples) but
     # not of 3 ranks' (72)
-    constant = fsdp["cfg"] | {"schedule": {"name": "constant", "accum_steps": 3}}
+    constant = fsdp["cfg"] | {"schedule": {"name": "constant", "window_size": 3}}
     meta = checkpoint.verify(step_4) | {"config": constant}
     checkpoint.refuse_incompatible(step_4, meta, constant, 1, sharded=True)
     with pytest.raises(checkpoint.ResumeError, match="stopped after window 4 of epoch 0 on 2 "
@@ -355,7 +355,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, pool2, single_
     so every window holds the same samples and the runs end where the uninterrupted 2-rank run
     ends, up to float rounding."""
     ref = runs("fsdp boundary", EXACT["fsdp boundary"][1])
-    one_rank = [*MLP, *FSDP, "trainer.devices=1", "trainer.checkpoint_every=2",
+    one_rank = [*MLP, *FSDP, "trainer.devices=1", "trainer.checkpoint_every_steps=2",
                 "trainer.keep_checkpoints=10"]
     step_4 = ref["dir"] / "checkpoints" / "step_00000004.dcp"
     two_to_one = sharded_cases.run(plain_cfg([*one_rank, f"resume={step_4}"]),

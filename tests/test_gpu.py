@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
 
 CASES = Path(__file__).with_name("gpu_cases.py")
 TINY = ["data=synthetic", "data.num_samples=256", "trainer.max_steps=6",
-        "trainer.progress_bar=false", "trainer.backend=nccl", "trainer.checkpoint_every=3"]
+        "trainer.progress_bar=false", "trainer.backend=nccl", "trainer.checkpoint_every_steps=3"]
 
 
 def case(cli_env: dict, *args: str) -> dict:

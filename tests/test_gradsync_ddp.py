@@ -105,9 +105,10 @@ def test_gradient_memory_counts_the_buckets_when_gradients_are_not_views(pool2, 
 # 2,2,2,2,2,1. MLP 8-16-16-2 in 3 buckets of 100 bytes at most (after the rebuild).
 RUN = ["data=synthetic", "data.num_samples=101", "data.eval_samples=31", "data.in_dim=8",
        "data.out_dim=2", "schedule.micro_batch_size=5", "model.hidden_sizes=[16,16]",
-       "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
+       "model.activation=tanh", "lr_scheduler=none", "schedule.window_size=2",
        "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
-       "trainer.log_every=4", "trainer.checkpoint_every=0", "engine.bucket_cap_mb=0.0001"]
+       "trainer.log_every_windows=4", "trainer.checkpoint_every_steps=0",
+       "engine.bucket_cap_mb=0.0001"]
 ADAMW = [*RUN, "optimizer=adamw", "optimizer.lr=0.01"]
 SGD = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 CASES = {
@@ -268,9 +269,9 @@ def test_wait_and_overlap_from_the_times():
 
 # --- the classic mistakes (docs/debugging.md, examples/debugging) -------------------------------
 TINY = ["data=synthetic", "data.num_samples=96", "data.eval_samples=16", "data.in_dim=4",
-        "data.out_dim=2", "schedule.micro_batch_size=8", "schedule.accum_steps=2",
+        "data.out_dim=2", "schedule.micro_batch_size=8", "schedule.window_size=2",
         "trainer.max_epochs=1", "trainer.progress_bar=false", "trainer.threads_per_worker=1",
-        "trainer.checkpoint_every=0", "engine=gradsync"]
+        "trainer.checkpoint_every_steps=0", "engine=gradsync"]
 
 
 @pytest.fixture

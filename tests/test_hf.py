@@ -26,20 +26,20 @@ EMBED, HEAD = "model.model.embed_tokens.weight", "model.lm_head.weight"
 # 96 sequences of 4 to 24 tokens, global windows of 16 sequences: 6 optimizer steps an epoch
 HF = ["model=hf_llama", "data=synthetic_lm", "data.num_samples=96", "data.eval_samples=32",
       "data.max_len=24", "optimizer.lr=0.5", "lr_scheduler.warmup_steps=2",
-      "trainer.max_epochs=2", "trainer.log_every=1", "trainer.threads_per_worker=1",
+      "trainer.max_epochs=2", "trainer.log_every_windows=1", "trainer.threads_per_worker=1",
       "trainer.progress_bar=false", "trainer.backend=gloo", "trainer.timeout_s=60", "seed=5"]
 STEPS_PER_EPOCH = 6
 
 
 def two_ranks(engine: str) -> list[str]:  # 2 ranks x micro 4 x N 2
-    return [*HF, "schedule.micro_batch_size=4", "schedule.accum_steps=2", "trainer.devices=2",
+    return [*HF, "schedule.micro_batch_size=4", "schedule.window_size=2", "trainer.devices=2",
             f"engine={engine}"]
 
 
 @pytest.fixture(scope="module")
 def one_process(single_process_group, tmp_path_factory):
     """The same global windows in one process: micro 8 x N 2."""
-    cfg = plain_cfg([*HF, "schedule.micro_batch_size=8", "schedule.accum_steps=2",
+    cfg = plain_cfg([*HF, "schedule.micro_batch_size=8", "schedule.window_size=2",
                      "trainer.devices=1"])
     out = tmp_path_factory.mktemp("hf_one")
     summary = run_training(RunConfig.from_plain(cfg), out)
@@ -94,7 +94,7 @@ def test_gradsync_trains_the_bits_torch_ddp_trains(runs):
     assert ours["summary"]["allreduce_bytes"] == theirs["summary"]["allreduce_bytes"]
 
 
-RESUMED = Run((*two_ranks("torch_ddp"), "trainer.checkpoint_every=2",
+RESUMED = Run((*two_ranks("torch_ddp"), "trainer.checkpoint_every_steps=2",
                "trainer.keep_checkpoints=50"), STEPS_PER_EPOCH)
 
 

@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.dist]
 # 3 epochs: 12 windows. MLP 8-16-2: 0.weight/0.bias (144 numbers), 2.weight/2.bias (34).
 RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
-       "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
+       "model.activation=tanh", "lr_scheduler=none", "schedule.window_size=2",
        "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
-       "trainer.log_every=5", "trainer.checkpoint_every=0", "optimizer=sgd",
+       "trainer.log_every_windows=5", "trainer.checkpoint_every_steps=0", "optimizer=sgd",
        "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 WINDOWS, FIRST, SECOND, BIASES, MATRICES = 12, 144, 34, 18, 160
 
@@ -42,7 +42,7 @@ BIASES_FP32 = groups('params: "*.bias", comm_dtype: fp32, name: biases')
 BIASES_BF16 = groups('params: "*.bias", comm_dtype: bf16, name: biases')
 # the first layer averaged every 4 windows (after windows 4, 8 and 12, the last);
 # checkpoints after windows 3, 6, 9 fall between two averagings
-EVERY_4 = [*RUN, groups('params: "0.*", every: 4, name: first'), "trainer.checkpoint_every=3"]
+EVERY_4 = [*RUN, groups('params: "0.*", every: 4, name: first'), "trainer.checkpoint_every_steps=3"]
 AVERAGED = {4, 8, 12, "finish"}  # finish: nothing left to average
 # its reference, shared with tests/test_resume.py (which kills a job of it between averagings)
 EVERY_4_RUN = Run(tuple(EVERY_4), windows_per_epoch=4, keys=(*SAME, "allreduce_groups"),

@@ -271,7 +271,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
     assert (cfg["model"]["_target_"], cfg["data"]["_target_"], cfg["trainer"]["devices"]) == \
         ("gradsync.models.Transformer", "gradsync.data.synthetic_lm", 2)
     assert resolve(cfg["loss"]["normalize"], "tokens") == "tokens"
-    assert build_schedule(RunConfig.from_plain(cfg).schedule, 2).accum_steps(0) == 4
+    assert build_schedule(RunConfig.from_plain(cfg).schedule, 2).window_size(0) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         params = compose("config", overrides=["experiment=lm_accum_sweep"],
                          return_hydra_config=True).hydra.sweeper.params
@@ -283,7 +283,7 @@ def test_lm_accum_sweep_is_one_valid_run_and_a_sweep_of_valid_runs():
                                  f"loss.normalize={normalize}"])
             preflight(job)
             assert job["schedule"]["global_batch_size"] == 64
-            accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2).accum_steps(0))
+            accum.add(build_schedule(RunConfig.from_plain(job).schedule, 2).window_size(0))
     assert accum == {1, 2, 4, 8}
 
 
@@ -325,7 +325,7 @@ def test_lm_accum_sweep_runs_as_a_single_run(tmp_path, cli_env):
         capture_output=True, text=True, env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((run / "summary.json").read_text())
-    assert (s["loss_normalize"], s["world_size"], s["accum_steps"]) == ("tokens", 2, 4)
+    assert (s["loss_normalize"], s["world_size"], s["window_size"]) == ("tokens", 2, 4)
     assert (s["optimizer_steps"], s["samples_seen"], s["sync_backwards"]) == (3, 192, [3, 3])
     assert set(s["eval"]) == {"loss", "accuracy", "perplexity"}
     assert s["eval"]["perplexity"] == pytest.approx(math.exp(s["eval"]["loss"]))

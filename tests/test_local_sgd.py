@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.dist]
 # accum 2 -> windows 2,2,2,1; 3 epochs: 12 windows. MLP 8-16-2: 178 parameters, no buffers.
 RUN = ["data=synthetic", "data.num_samples=104", "data.eval_samples=32", "data.in_dim=8",
        "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[16]",
-       "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=2",
+       "model.activation=tanh", "lr_scheduler=none", "schedule.window_size=2",
        "trainer.max_epochs=3", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
-       "trainer.log_every=5", "trainer.checkpoint_every=0"]
+       "trainer.log_every_windows=5", "trainer.checkpoint_every_steps=0"]
 BASE = [*RUN, "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 WINDOWS, PARAMS = 12, 178
 # warm-up windows 1-2 exact, then averagings after windows 5, 8, 11 and at the end (12)
@@ -137,7 +137,7 @@ def test_local_sgd_every_1_with_sgd_momentum_trains_accumulates_parameters(local
 # 4 windows; H=3 averages after window 3 and at the end, so windows 2 and 4 are local steps.
 PRIME = ["data=synthetic", "data.num_samples=13", "data.eval_samples=8", "data.in_dim=8",
          "data.out_dim=2", "schedule.micro_batch_size=2", "model.hidden_sizes=[16]",
-         "model.activation=tanh", "lr_scheduler=none", "schedule.accum_steps=3",
+         "model.activation=tanh", "lr_scheduler=none", "schedule.window_size=3",
          "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
          "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"]
 LR, MOMENTUM = 0.05, 0.9
@@ -149,7 +149,7 @@ def test_a_non_finite_parameter_on_one_rank_stops_every_rank_at_once_with_one_li
     checkpoint step: every rank stops there with the same line naming rank 1, promptly (before:
     rank 1 raised, rank 0 waited in the checkpoint's gather for the group's 60 s timeout)."""
     cfg = plain_cfg([*BASE, "sync=local_sgd", "sync.every=4", "sync.warmup_windows=0",
-                     "trainer.checkpoint_every=3"])
+                     "trainer.checkpoint_every_steps=3"])
     out = pool2.run(local_sgd_cases.non_finite_on_one_rank, cfg, str(tmp_path), 1, 3,
                     timeout=45)
     line = ("non-finite parameters on rank 1 after optimizer step 3 (fp32); stopped, the last "

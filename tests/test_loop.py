@@ -52,9 +52,9 @@ def test_the_default_experiment_trains_bitwise_what_it_trained_before(tmp_path, 
 # --- the order of one step's collectives -----------------------------------------------------
 STEP = ["data=synthetic", "data.num_samples=128", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
-        "schedule.accum_steps=2", "trainer.max_steps=4", "trainer.progress_bar=false",
-        "trainer.threads_per_worker=1", "trainer.log_every=2", "trainer.check_replicas=2",
-        "trainer.eval_every=2", "trainer.checkpoint_every=2"]
+        "schedule.window_size=2", "trainer.max_steps=4", "trainer.progress_bar=false",
+        "trainer.threads_per_worker=1", "trainer.log_every_windows=2", "trainer.check_replicas=2",
+        "trainer.eval_every_steps=2", "trainer.checkpoint_every_steps=2"]
 # what each run's windows hold besides the stop agreement (4 windows of 2 micro-batches)
 ORDER_RUNS = {
     # fp16 with overflow consensus: a flag after each no_sync backward, found_inf agreed
@@ -64,7 +64,7 @@ ORDER_RUNS = {
     # the noise scale (its rows ride on the loss's all-reduce) and the adaptive schedule, which
     # flushes them when it chooses the next window's size
     "adaptive": ([*(s for s in STEP if not s.startswith("schedule.")), "noise_scale.enabled=true",
-                  "schedule=adaptive", "schedule.every_steps=2", "schedule.initial_accum_steps=2"],
+                  "schedule=adaptive", "schedule.every_steps=2", "schedule.initial_window_size=2"],
                  {"schedule": 2, "loss": 2, "replica_check": 2, "evaluation": 2,
                   "checkpoint": 2}),
     # local SGD averaging every 2 windows: the averaging, the drift riding on the log point's
@@ -110,8 +110,8 @@ def test_one_steps_collectives_run_in_the_documented_order(pool2, tmp_path, name
 # --- a policy of one's own on every engine ---------------------------------------------------
 TINY = ["data=synthetic", "data.num_samples=192", "data.eval_samples=16", "data.in_dim=4",
         "data.out_dim=2", "schedule.micro_batch_size=8", "model.hidden_sizes=[8]",
-        "schedule.accum_steps=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
-        "trainer.threads_per_worker=1", "trainer.checkpoint_every=0"]
+        "schedule.window_size=2", "trainer.max_epochs=1", "trainer.progress_bar=false",
+        "trainer.threads_per_worker=1", "trainer.checkpoint_every_steps=0"]
 
 
 def with_policy(target: str, engine: str) -> dict:

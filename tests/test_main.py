@@ -23,13 +23,13 @@ def train(run_dir, *args, env):
 
 def test_two_worker_run_writes_every_output(tmp_path, cli_env):
     run = tmp_path / "run"
-    proc = train(run, "trainer.max_steps=10", "trainer.log_every=5", env=cli_env)
+    proc = train(run, "trainer.max_steps=10", "trainer.log_every_windows=5", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     assert f"outputs in {run}" in proc.stdout
 
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "completed"
-    assert (s["optimizer_steps"], s["world_size"], s["accum_steps"]) == (10, 2, 4)
+    assert (s["optimizer_steps"], s["world_size"], s["window_size"]) == (10, 2, 4)
     assert s["samples_seen"] == 10 * 2 * 4 * 16
     # accumulate: one synchronising backward per optimizer step on each rank
     assert s["sync_backwards"] == [10, 10] and s["allreduce_calls"][0] >= 10
@@ -43,7 +43,7 @@ def test_two_worker_run_writes_every_output(tmp_path, cli_env):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["loss"] == pytest.approx(s["final_train_loss"])
-    assert all(r["accum_steps"] == 4 and r["stepped"] for r in rows)
+    assert all(r["window_size"] == 4 and r["stepped"] for r in rows)
 
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
@@ -60,7 +60,7 @@ def test_two_worker_run_writes_every_output(tmp_path, cli_env):
 def test_one_device_runs_through_the_same_ddp_path(tmp_path, cli_env):
     run = tmp_path / "run"
     proc = train(run, "trainer.devices=1", "trainer.max_steps=3", "data=synthetic",
-                 "sync=always", "schedule.accum_steps=2", env=cli_env)
+                 "sync=always", "schedule.window_size=2", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((run / "summary.json").read_text())
     assert s["world_size"] == 1 and s["optimizer_steps"] == 3

@@ -30,7 +30,7 @@ from test_components import REPO, cli
 # 1 process, micro 8 x N 2: 3 steps an epoch, 2 epochs
 BASE = ["data=synthetic_lm", "data.num_samples=48", "data.eval_samples=16", "data.max_len=16",
         "data.vocab_size=24", "optimizer=adamw", "optimizer.lr=0.03", "optimizer.weight_decay=0.1",
-        "schedule.micro_batch_size=8", "schedule.accum_steps=2", "trainer.devices=1",
+        "schedule.micro_batch_size=8", "schedule.window_size=2", "trainer.devices=1",
         "trainer.max_epochs=2", "trainer.threads_per_worker=1", "trainer.progress_bar=false",
         "trainer.clip_grad_norm=1.0", "lr_scheduler.warmup_steps=2", "seed=3"]
 EXAMPLE = REPO / "examples" / "nanogpt"
@@ -100,7 +100,7 @@ def test_a_hugging_face_gpt2_from_its_own_config_class_trains(single_process_gro
     `logits`, the data's vocab_size given to the config class."""
     gpt2 = example_model("hf_gpt2", n_embd=16, n_layer=1, n_head=2, n_positions=16)
     assert gpt2["_target_"] == "transformers.GPT2LMHeadModel"
-    s, ck = trained(cfg_with(gpt2, ("trainer.log_every=1",)), tmp_path)
+    s, ck = trained(cfg_with(gpt2, ("trainer.log_every_windows=1",)), tmp_path)
     assert s["optimizer_steps"] == 6 and s["final_train_loss"] < math.log(24)
     assert ck["model"]["transformer.wte.weight"].shape == (24, 16)
     groups = {g["name"]: set(g["param_names"]) for g in ck["optimizer"]["param_groups"]}

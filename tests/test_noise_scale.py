@@ -107,9 +107,9 @@ TRUTH_DATA = {"seed": 3, "num_samples": 63, "eval_samples": 16, "in_dim": 8, "ou
 TRUTH = ["data=synthetic", "data.num_samples=63", "data.eval_samples=16", "data.in_dim=8",
          "data.out_dim=8", "schedule.micro_batch_size=8", "data.noise=0.5",
          "model.hidden_sizes=[32]", "model.activation=tanh", "optimizer.lr=0.0",
-         "optimizer.momentum=0.0", "schedule.accum_steps=1", "noise_scale.enabled=true",
-         "noise_scale.decay=0.998", "trainer.max_epochs=60", "trainer.log_every=50",
-         "trainer.checkpoint_every=0", "trainer.threads_per_worker=1",
+         "optimizer.momentum=0.0", "schedule.window_size=1", "noise_scale.enabled=true",
+         "noise_scale.decay=0.998", "trainer.max_epochs=60", "trainer.log_every_windows=50",
+         "trainer.checkpoint_every_steps=0", "trainer.threads_per_worker=1",
          "trainer.progress_bar=false", "seed=3"]
 WINDOWS = 240
 TOLERANCE = 0.05  # relative, on the averaged |G|^2, tr(Sigma) and B_simple after 240 windows
@@ -150,16 +150,16 @@ def test_the_noise_scale_converges_to_the_exact_values_of_the_data_set(pool2, tm
 ADAPTIVE = [*(o for o in EXACT_RESUME  # the window's N, not its micro-batch size
               if not o.startswith("schedule.") or o.startswith("schedule.micro_batch_size=")),
             "schedule=adaptive",
-            "schedule.initial_accum_steps=4", "schedule.min_accum_steps=1",
-            "schedule.max_accum_steps=4", "schedule.every_steps=2",
+            "schedule.initial_window_size=4", "schedule.min_window_size=1",
+            "schedule.max_window_size=4", "schedule.every_steps=2",
             "lr_scaling=adascale", "lr_scaling.reference_batch=32",
-            "noise_scale.decay=0.5", "trainer.max_epochs=3", "trainer.log_every=3",
-            "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]
+            "noise_scale.decay=0.5", "trainer.max_epochs=3", "trainer.log_every_windows=3",
+            "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=50", "seed=7"]
 
 
 def rows_with_noise(rows: list[dict]) -> list[tuple]:
     """Every row's loss, LR, window size, gain and noise-scale fields, floats as hex."""
-    keys = ("accum_steps", "lr_factor", "grad_sq_small", "grad_sq_big", "noise_scale",
+    keys = ("window_size", "lr_factor", "grad_sq_small", "grad_sq_big", "noise_scale",
             "grad_norm_sq", "grad_trace_cov")
     return [(*loss, *(float(r[k]).hex() if r.get(k) is not None else None for k in keys))
             for loss, r in zip(losses(rows), rows, strict=True)]
@@ -183,7 +183,7 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
     n, previous, used = 4, 0, {4}
     for row, after in zip(rows, [*rows[1:], None], strict=True):
         last_of_epoch = after is None or after["epoch"] != row["epoch"]
-        assert row["accum_steps"] == n or (row["accum_steps"] < n and last_of_epoch), row
+        assert row["window_size"] == n or (row["window_size"] < n and last_of_epoch), row
         samples, previous = row["samples"] - previous, row["samples"]
         scale = samples / 32  # S: the window's real samples over the reference batch
         assert min(1, scale) - 1e-12 <= row["lr_factor"] <= max(1, scale) + 1e-12
@@ -195,8 +195,8 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
                 b = t / g if g > 0 else (math.inf if t > 0 else math.nan)
             n = schedule.target(b) or n
             used.add(n)
-    assert len(used) >= 2 and s["accum_steps"] == sorted(used)
-    assert r1["summary"]["accum_steps"] == s["accum_steps"]  # rank 1 decided alike
+    assert len(used) >= 2 and s["window_size"] == sorted(used)
+    assert r1["summary"]["window_size"] == s["window_size"]  # rank 1 decided alike
     assert s["samples_seen"] == 3 * 199  # every sample once per epoch, whatever N
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -205,7 +205,7 @@ def test_adaptive_window_follows_the_noise_scale_the_same_on_every_rank(adaptive
     tags = acc.Tags()["scalars"]
     for tag in ("noise/noise_scale", "noise/grad_norm_sq", "noise/grad_trace_cov",
                 "noise/grad_sq_small", "noise/grad_sq_big", "train/lr_factor", "train/lr",
-                "train/accum_steps"):
+                "train/window_size"):
         assert tag in tags, tag
     # at every log point (and every checkpoint's flush): the row of that window, where
     # B_simple has a value (None: noise_scale.undefined)
@@ -223,17 +223,17 @@ def test_an_adaptive_adascale_run_resumes_bitwise(pool2, adaptive_run, tmp_path)
     run_dir, ref, _ = adaptive_run
     rows = ref["rows"]
     changed = next(r for r, q in zip(rows[1:], rows[:-1], strict=True)
-                   if r["accum_steps"] != q["accum_steps"] and r["epoch"] == q["epoch"])
+                   if r["window_size"] != q["window_size"] and r["epoch"] == q["epoch"])
     step = next(r["step"] for r in rows[:-1] if r["step"] > changed["step"]
                 and r["step"] % 2 == 0 and rows[r["window"]]["epoch"] == r["epoch"])
     ckpt = checkpoint.step_path(run_dir / "checkpoints", step)
     state = checkpoint.load(ckpt)
     assert state["progress"]["epoch_micro"] > 0  # inside an epoch
-    assert state["schedule"]["size"] == rows[state["progress"]["windows"]]["accum_steps"]
+    assert state["schedule"]["size"] == rows[state["progress"]["windows"]]["window_size"]
     out, _ = pool2.run(dist_cases.train_run_rows, plain_cfg([*ADAPTIVE, f"resume={ckpt}"]),
                        str(tmp_path))
     assert rows_with_noise(out["rows"]) == rows_with_noise(rows)[state["progress"]["windows"]:]
-    keys = (*SAME, "accum_steps", "noise_scale", "grad_norm_sq", "grad_trace_cov")
+    keys = (*SAME, "window_size", "noise_scale", "grad_norm_sq", "grad_trace_cov")
     assert {k: out["summary"][k] for k in keys} == {k: ref["summary"][k] for k in keys}
     for name, value in ref["params"].items():
         assert torch.equal(out["params"][name], value), name
@@ -332,11 +332,11 @@ def test_scaled_lr_applies_the_factor_and_advances_the_schedule_by_the_clock():
      "loss.normalize=micro_batch_mean weighs them unequally"),
     (["noise_scale.enabled=true", "sync=local_sgd"], "averages parameters instead"),
     (["schedule=adaptive", "sync=diloco"], "schedule=adaptive is measured around"),
-    (["lr_scaling=adascale", "trainer.devices=1", "schedule.accum_steps=1"],
+    (["lr_scaling=adascale", "trainer.devices=1", "schedule.window_size=1"],
      "lr_scaling=adascale on 1 rank compares a window's first micro-batch"),
-    (["schedule=adaptive", "trainer.devices=1"], "schedule.min_accum_steps=1 is not allowed"),
-    (["schedule=adaptive", "schedule.min_accum_steps=5"],
-     "schedule.initial_accum_steps=1 is not allowed: an integer in [5, 16]"),
+    (["schedule=adaptive", "trainer.devices=1"], "schedule.min_window_size=1 is not allowed"),
+    (["schedule=adaptive", "schedule.min_window_size=5"],
+     "schedule.initial_window_size=1 is not allowed: an integer in [5, 16]"),
     (["schedule=adaptive", "schedule.scale=0"], "schedule.scale=0.0 is not allowed"),
     (["noise_scale.decay=1.0"], "noise_scale.decay=1.0 is not allowed"),
     (["lr_scaling=linear", "lr_scaling.reference_batch=-1"],

@@ -188,7 +188,7 @@ def test_portable_bits_refuse_a_cpu_without_the_baseline_and_an_unpinned_outside
 
 def test_a_sweep_says_which_jobs_computed_with_other_numerics(tmp_path):
     def job(num: int, fp: dict) -> sweep.Job:
-        s = {"status": "completed", "world_size": 2, "micro_batch_size": 8, "accum_steps": 1,
+        s = {"status": "completed", "world_size": 2, "micro_batch_size": 8, "window_size": 1,
              "optimizer_steps": 1, "final_train_loss": 1.0, "eval": {}, "numerics": fp,
              "samples_per_s": 1.0, "sync_backwards": [1], "allreduce_calls": [1],
              "allreduce_bytes": [4], "peak_rss_mb": 1.0}

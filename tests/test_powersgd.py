@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.dist]
 # 32 -> 64 -> 64 -> 8: matrices PowerSGD compresses at rank 4 (biases go uncompressed)
 BASE = ["data=synthetic", "data.num_samples=512", "data.in_dim=32", "data.out_dim=8",
         "schedule.micro_batch_size=16", "model.hidden_sizes=[64,64]", "model.activation=tanh",
-        "optimizer.lr=0.05", "schedule.accum_steps=2", "trainer.max_epochs=4",
-        "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1",
-        "trainer.checkpoint_every=0"]
+        "optimizer.lr=0.05", "schedule.window_size=2", "trainer.max_epochs=4",
+        "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every_windows=1",
+        "trainer.checkpoint_every_steps=0"]
 RANK = 4
 PSGD = ["sync.compression=powersgd", f"sync.powersgd_rank={RANK}",
         "sync.powersgd_start_backwards=2"]

@@ -207,7 +207,7 @@ def test_injected_overflows_abort_windows_and_train_exactly_like_accumulate(pool
 @pytest.mark.dist
 def test_skipped_steps_and_scale_are_logged(pool2, tmp_path):
     cfg = with_amp(synthetic_cfg(2, 4, 4), "fp16", init_scale=2.0**22)
-    cfg["trainer"]["log_every"] = 1
+    cfg["trainer"]["log_every_windows"] = 1
     r0, r1 = pool2.run(dist_cases.train_run, cfg, str(tmp_path))
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s == r0["summary"]

@@ -136,7 +136,7 @@ def write_job(sweep_dir: Path, num: int, policy: str, evals: list[tuple], train:
         (d / "summary.json").write_text(json.dumps({"status": "failed", "error": "boom"}))
         return
     (d / "summary.json").write_text(json.dumps({
-        "status": "completed", "world_size": 2, "micro_batch_size": 8, "accum_steps": 4,
+        "status": "completed", "world_size": 2, "micro_batch_size": 8, "window_size": 4,
         "optimizer_steps": 3, "final_train_loss": train[-1][3], "eval": {"loss": final_eval},
         "samples_per_s": 100.0, "sync_backwards": [3, 3], "allreduce_calls": [3, 3],
         "allreduce_bytes": [evals[-1][1]] * 2, "peak_rss_mb": 300.0, "train_s": 3.0}))
@@ -272,8 +272,8 @@ def test_policy_race_sweeps_every_contestant_at_the_same_sample_budget():
         plain = compose_plain(["experiment=policy_race", f"+experiment/race={name}"])
         preflight(plain)
         targets[name] = plain["sync"]["_target_"].rsplit(".", 1)[1]
-        first_n = plain["schedule"].get("accum_steps", plain["schedule"].get(
-            "initial_accum_steps"))
+        first_n = plain["schedule"].get("window_size", plain["schedule"].get(
+            "initial_window_size"))
         budgets.add((plain["data"]["_target_"], plain["model"]["_target_"],
                      plain["trainer"]["devices"], plain["trainer"]["max_epochs"],
                      plain["schedule"]["micro_batch_size"], first_n,
@@ -304,8 +304,8 @@ def test_window_search_sweeps_fixed_windows_and_adaptive_at_the_same_sample_budg
                 plain["optimizer"]["lr"], plain["noise_scale"]["enabled"]) == (600000, 2,
                                                                                0.005, True)
         s, t = plain["schedule"], plain["trainer"]
-        seen[name] = (s["name"], s.get("accum_steps"), plain["lr_scaling"]["name"],
-                      plain["lr_scheduler"]["warmup_steps"], t["eval_every"])
+        seen[name] = (s["name"], s.get("window_size"), plain["lr_scaling"]["name"],
+                      plain["lr_scheduler"]["warmup_steps"], t["eval_every_steps"])
     for n in (1, 2, 4, 8):
         assert seen[f"n{n}"] == ("constant", n, "none", 40 // n, 16 // n)
     assert seen["n16"] == ("constant", 16, "none", 3, 1)
@@ -325,7 +325,7 @@ def test_a_race_job_records_the_corpus_and_its_bytes_and_seconds_per_row(tmp_pat
     proc = subprocess.run(
         [sys.executable, "-m", "gradsync.run.main", "experiment=policy_race",
          "+experiment/race=always", f"data.root={root}", "data.eval_fraction=0.3",
-         "trainer.max_steps=3", "trainer.eval_every=2", "trainer.log_every=1",
+         "trainer.max_steps=3", "trainer.eval_every_steps=2", "trainer.log_every_windows=1",
          "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -43,8 +43,8 @@ pytestmark = [pytest.mark.dist]
 # starts too high and grows back every 3 steps: windows overflow (amp_aware aborts them on every
 # rank) and their steps are skipped, so the scaler's state, the skipped-step count and the
 # overflow counters must all survive a resume.
-EXACT = [*EXACT_RESUME, "trainer.max_epochs=4", "trainer.log_every=3",
-         "trainer.checkpoint_every=2", "trainer.keep_checkpoints=50", "seed=7"]
+EXACT = [*EXACT_RESUME, "trainer.max_epochs=4", "trainer.log_every_windows=3",
+         "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=50", "seed=7"]
 PRECISIONS = {"fp32": [], "fp16": ["precision=fp16", "precision.init_scale=4194304.0",
                                    "precision.growth_interval=3", "sync=amp_aware"]}
 
@@ -73,8 +73,8 @@ def steps_of_the_whole_run(steps: int):
 # a real job's whole life (tests/test_faults.py starts the same job to fail it)
 JOB_LIFE = Run(tuple(LONG_JOB), STEPS_PER_EPOCH,
                check_reference=steps_of_the_whole_run(LONG_JOB_STEPS))
-SLURM = Run((*EXACT_RESUME, "trainer.max_epochs=20", "trainer.log_every=1",
-             "trainer.checkpoint_every=25", "seed=5"), STEPS_PER_EPOCH,
+SLURM = Run((*EXACT_RESUME, "trainer.max_epochs=20", "trainer.log_every_windows=1",
+             "trainer.checkpoint_every_steps=25", "seed=5"), STEPS_PER_EPOCH,
             check_reference=steps_of_the_whole_run(20 * STEPS_PER_EPOCH))
 
 # DiLoCo with AdamW inside, dropout (each rank its own masks), fp16 with rank 1's scaler backed
@@ -89,13 +89,14 @@ def rank_1_skipped_window_2(ref: Reference) -> None:
     assert ref.summary["local_skipped_steps"] == [0, 1]
 
 
-DILOCO_EVERY_3 = Run((*DILOCO, "sync.every=3", "trainer.checkpoint_every=2",
+DILOCO_EVERY_3 = Run((*DILOCO, "sync.every=3", "trainer.checkpoint_every_steps=2",
                       "trainer.keep_checkpoints=50"), 4, AVERAGING_KEYS,
                      local_sgd_cases.recorded_run, (1, 2), rank_1_skipped_window_2)
 # averagings every 7 windows, 10 epochs: a command-line job killed after the checkpoint of
 # window 6 (no inf can be injected there)
-DILOCO_EVERY_7 = Run((*DILOCO, "sync.every=7", "trainer.max_epochs=10", "trainer.log_every=1000",
-                      "trainer.checkpoint_every=3", "trainer.keep_checkpoints=50", "seed=3"),
+DILOCO_EVERY_7 = Run((*DILOCO, "sync.every=7", "trainer.max_epochs=10",
+                      "trainer.log_every_windows=1000", "trainer.checkpoint_every_steps=3",
+                      "trainer.keep_checkpoints=50", "seed=3"),
                      4, AVERAGING_KEYS)
 
 
@@ -217,7 +218,7 @@ def test_a_non_finite_fp32_loss_stops_the_run_naming_the_step(pool2, tmp_path):
     """SGD with a huge learning rate: the loss overflows within a few steps; both ranks stop
     with the same error, and only checkpoints from before it remain."""
     cfg = plain_cfg([*EXACT, "optimizer=sgd", "optimizer.lr=1e4", "optimizer.momentum=0.9",
-                     "trainer.log_every=1", "trainer.checkpoint_every=1"])
+                     "trainer.log_every_windows=1", "trainer.checkpoint_every_steps=1"])
     errors = pool2.run(dist_cases.train_run_expecting, cfg, str(tmp_path), "FloatingPointError")
     assert errors[0] == errors[1]
     assert "non-finite training loss" in errors[0] and "(fp32)" in errors[0]

@@ -199,7 +199,7 @@ def test_two_objectives_record_eval_loss_and_bytes_sent(tmp_path, cli_env):
     proc = search(sweep_dir, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=1",
                   "hydra.sweeper.objective=[eval_loss,allreduce_bytes]",
                   "hydra.sweeper.direction=[minimize,minimize]",
-                  "schedule.accum_steps=range(1,5,3)", env=cli_env)  # as a grid: 1, 4
+                  "schedule.window_size=range(1,5,3)", env=cli_env)  # as a grid: 1, 4
     assert proc.returncode == 0, proc.stderr
     got = trials(sweep_dir)
     assert len(got) == 2
@@ -207,9 +207,9 @@ def test_two_objectives_record_eval_loss_and_bytes_sent(tmp_path, cli_env):
         s = summary_json(sweep_dir / str(t.number))
         assert t.state == optuna.trial.TrialState.COMPLETE
         assert t.values == [s["eval"]["loss"], s["allreduce_bytes"][0]]
-        assert t.params == {"schedule.accum_steps": s["accum_steps"]}
-        assert s["accum_steps"] in (1, 4)
-        assert t.distributions["schedule.accum_steps"] == optuna.distributions.IntDistribution(
+        assert t.params == {"schedule.window_size": s["window_size"]}
+        assert s["window_size"] in (1, 4)
+        assert t.distributions["schedule.window_size"] == optuna.distributions.IntDistribution(
             1, 4, step=3)
     md = (sweep_dir / "sweep_summary.md").read_text()
     assert "eval_loss (minimize), allreduce_bytes (minimize); 2 trials: 2 COMPLETE." in md
@@ -279,13 +279,13 @@ def test_a_range_or_choice_gives_the_values_a_grid_runs_and_no_other(sweep_text)
 def test_a_range_of_integers_is_ordered_for_the_sampler_and_an_interval_is_continuous():
     space, fixed = run_search.search_space([
         "trainer.max_epochs=range(2,6)", "optimizer.lr=tag(log,interval(1e-3,1e-1))",
-        "schedule.accum_steps=tag(int,interval(1,16))", "data=synthetic",
+        "schedule.window_size=tag(int,interval(1,16))", "data=synthetic",
         "+experiment/window=choice(n1,n2)", "trainer.max_steps=choice(1,2)",
         "trainer.max_steps=3"])  # a later override of a key replaces the earlier
     d = optuna.distributions
     assert space == {"trainer.max_epochs": d.IntDistribution(2, 5),
                      "optimizer.lr": d.FloatDistribution(1e-3, 1e-1, log=True),
-                     "schedule.accum_steps": d.IntDistribution(1, 16),
+                     "schedule.window_size": d.IntDistribution(1, 16),
                      "+experiment/window": d.CategoricalDistribution(["n1", "n2"])}
     assert fixed == {"data": "data=synthetic", "trainer.max_steps": "trainer.max_steps=3"}
     for text, error in [
@@ -465,7 +465,7 @@ def test_an_optuna_2_study_is_refused_in_one_line_then_continued_once_upgraded(t
                                   "objectives": ["eval_loss"], "directions": ["minimize"],
                                   "jobs": {"0": 0, "1": 1}})
     args = ("hydra.sweeper.n_trials=3", "optimizer.lr=interval(0.01,0.1)",
-            "schedule.accum_steps=choice(1,2)")
+            "schedule.window_size=choice(1,2)")
     before = sha(db)
     proc = search(sweep_dir, *args, env=cli_env)
     assert proc.returncode == 2, proc.stderr
@@ -484,8 +484,8 @@ def test_an_optuna_2_study_is_refused_in_one_line_then_continued_once_upgraded(t
     got = study.get_trials()
     assert [(t.number, t.state.name) for t in got] == [
         (0, "COMPLETE"), (1, "COMPLETE"), (2, "COMPLETE")]
-    assert got[0].values == [0.38129260505957063] and got[1].params == {
-        "optimizer.lr": 0.05903948646972072, "schedule.accum_steps": 2}
+    assert got[0].values == [0.38129260505957063] and got[1].params == {  # as recorded then
+        "optimizer.lr": 0.05903948646972072, "schedule.accum_steps": 2}  # old name
     assert got[2].values == [summary_json(sweep_dir / "2")["eval"]["loss"]]
     assert got[2].user_attrs[run_search.OWNER] == str(sweep_dir)
     md = (sweep_dir / "sweep_summary.md").read_text()

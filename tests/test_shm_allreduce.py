@@ -63,8 +63,9 @@ def test_the_shared_buffer_has_no_name_a_kill_could_leave_behind(pool2):
 
 def test_a_run_through_shared_memory_equals_one_through_gloo(pool2, tmp_path):
     base = ["data=synthetic", "data.num_samples=256", "schedule.micro_batch_size=16",
-            "model.hidden_sizes=[32,32]", "schedule.accum_steps=2", "trainer.max_epochs=2",
-            "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.log_every=1"]
+            "model.hidden_sizes=[32,32]", "schedule.window_size=2", "trainer.max_epochs=2",
+            "trainer.threads_per_worker=1", "trainer.progress_bar=false",
+            "trainer.log_every_windows=1"]
     runs = {}
     for mode in ("shared_memory", "process_group"):
         cfg = plain_cfg([*base, f"engine.allreduce={mode}"])

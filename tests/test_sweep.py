@@ -59,7 +59,7 @@ def compose_with_hydra(overrides: list[str], with_hydra: bool = True):
 
 def test_accum_sweep_preset_sweeps_n_at_fixed_micro_batch():
     cfg = compose_with_hydra(["experiment=accum_sweep"])
-    assert dict(cfg.hydra.sweeper.params) == {"schedule.accum_steps": "1,2,4,8"}
+    assert dict(cfg.hydra.sweeper.params) == {"schedule.window_size": "1,2,4,8"}
     assert cfg.schedule.name == "constant"
     assert cfg.sync._target_ == "gradsync.sync.policies.AccumulateSync"
     assert cfg.data._target_ == "gradsync.data.digits"  # the default data, as make sweep promises
@@ -76,7 +76,7 @@ def test_fixed_global_batch_preset_derives_n_from_each_micro_batch():
         preflight(plain)
         schedule = build_schedule(RunConfig.from_plain(plain).schedule,
                                   plain["trainer"]["devices"])
-        ns.append(schedule.accum_steps(0))
+        ns.append(schedule.window_size(0))
     assert ns == [4, 2, 1]  # 2 ranks x micro x N = 128 every time
 
 
@@ -112,8 +112,8 @@ def accum_sweep(tmp_path_factory, cli_env_module):
     top = tmp_path_factory.mktemp("accum")
     sweep_dir = top / "sweep"
     proc = multirun(sweep_dir, "experiment=accum_sweep", "data=synthetic",
-                    "schedule.accum_steps=" + ",".join(map(str, ACCUM)), "trainer.max_steps=2",
-                    "trainer.log_every=1", "logger=[tensorboard,mlflow,wandb]",
+                    "schedule.window_size=" + ",".join(map(str, ACCUM)), "trainer.max_steps=2",
+                    "trainer.log_every_windows=1", "logger=[tensorboard,mlflow,wandb]",
                     f"logger.mlflow.tracking_uri={(top / 'mlruns').as_uri()}",
                     "logger.wandb.mode=offline", f"logger.wandb.dir={top / 'wb'}",
                     env=cli_env_module)
@@ -132,8 +132,8 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
     assert [r["job"] for r in rows] == ["0", "1", "2"]
     for n, row, s in zip(ACCUM, rows, summaries(sweep_dir, 3), strict=True):
         assert s["status"] == row["status"] == "completed"
-        assert row["schedule.accum_steps"] == str(n) and s["accum_steps"] == n
-        assert f"schedule.accum_steps={n}" in row["overrides"].split()
+        assert row["schedule.window_size"] == str(n) and s["window_size"] == n
+        assert f"schedule.window_size={n}" in row["overrides"].split()
         # 2 steps x 2 ranks x n micro-batches of schedule.micro_batch_size's default (16)
         assert s["optimizer_steps"] == 2 and s["samples_seen"] == 2 * 2 * n * 16
         assert int(row["global_batch"]) == 2 * 16 * n
@@ -158,8 +158,8 @@ def test_sweep_summary_has_one_row_per_job_equal_to_its_summary_json(accum_sweep
             f"{mb / 2:.2f}, sync backwards/rank 2, MB sent/rank {mb:.2f}.") in md
     assert "Each job evaluated once, at its end: no to-target columns" in md
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    # N repeats the swept schedule.accum_steps: left out (the CSV has it)
-    assert table[0] == ("| job | schedule.accum_steps | status | global batch | final train loss "
+    # N repeats the swept schedule.window_size: left out (the CSV has it)
+    assert table[0] == ("| job | schedule.window_size | status | global batch | final train loss "
                         "| eval loss | samples/s | peak MB | wall s |")
     for n, line, s in zip(ACCUM, table[1:], summaries(sweep_dir, 3), strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -200,7 +200,7 @@ def test_sweep_png_is_a_real_plot_of_every_job(accum_sweep, tmp_path):
             assert list(evals.get_ydata()) == [summaries(sweep_dir, 3)[j]["eval"]["loss"]]
     assert by_bytes.get_xscale() == "log"
     assert [t.get_text() for t in by_samples.get_legend().get_texts()] == \
-        [f"schedule.accum_steps={n}" for n in ACCUM]
+        [f"schedule.window_size={n}" for n in ACCUM]
 
 
 @pytest.mark.slow
@@ -248,7 +248,7 @@ def test_tensorboard_hparams_tab_compares_the_jobs(accum_sweep):
     assert sorted(groups) == ["0/tb", "1/tb", "2/tb"]
     for j, (n, s) in enumerate(zip(ACCUM, summaries(sweep_dir, 3), strict=True)):
         g = groups[f"{j}/tb"]
-        assert g.hparams["schedule.accum_steps"].number_value == n
+        assert g.hparams["schedule.window_size"].number_value == n
         assert g.hparams["data._target_"].string_value == "gradsync.data.synthetic"
         assert g.hparams["model.hidden_sizes"].string_value == "[128, 128]"
         metrics = {m.name.tag: m.value for m in g.metric_values}
@@ -347,7 +347,7 @@ def test_fixed_global_batch_sweep_trains_the_same_model(tmp_path, cli_env):
                     "data.num_samples=464", "trainer.max_epochs=2", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     runs = summaries(sweep_dir, 3)
-    assert [s["accum_steps"] for s in runs] == [4, 2, 1]
+    assert [s["window_size"] for s in runs] == [4, 2, 1]
     assert [s["micro_batch_size"] for s in runs] == [16, 32, 64]
     assert {(s["optimizer_steps"], s["samples_seen"]) for s in runs} == {(8, 928)}
     assert {tuple(s["sync_backwards"]) for s in runs} == {(8, 8)}
@@ -468,7 +468,7 @@ def test_a_sweep_logs_a_parent_run_with_a_child_per_job(accum_sweep, monkeypatch
         history = MlflowClient(tracking_uri=m["mlflow"]["uri"]).get_metric_history(
             m["mlflow"]["run_id"], "train/loss")
         assert [(h.step, h.value) for h in history] == [(r["window"], r["loss"]) for r in rows]
-        assert client.get_run(m["mlflow"]["run_id"]).data.params["schedule.accum_steps"] == \
+        assert client.get_run(m["mlflow"]["run_id"]).data.params["schedule.window_size"] == \
             str(ACCUM[j])
     # W&B: one group; the jobs' runs (train) and the sweep's (sweep), each its own offline run
     wb = parents["wandb"]

@@ -57,11 +57,11 @@ def test_always_syncs_every_micro_step_and_ends_at_the_same_gradient(pool2):
 
 def run_overrides(devices: int, micro: int, accum: int, sync: str = "accumulate") -> list[str]:
     """The settings every run of these tests shares (the model and data aside)."""
-    return ["seed=3", "optimizer.lr=0.05", f"schedule.accum_steps={accum}", f"sync={sync}",
+    return ["seed=3", "optimizer.lr=0.05", f"schedule.window_size={accum}", f"sync={sync}",
             f"schedule.micro_batch_size={micro}", f"trainer.devices={devices}",
-            "trainer.max_epochs=2", "trainer.log_every=3", "trainer.backend=gloo",
+            "trainer.max_epochs=2", "trainer.log_every_windows=3", "trainer.backend=gloo",
             "trainer.threads_per_worker=1", "trainer.progress_bar=false", "trainer.timeout_s=60",
-            "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1",
+            "trainer.checkpoint_every_steps=0", "trainer.keep_checkpoints=1",
             "lr_scheduler.warmup_steps=2", "lr_scheduler.min_lr_ratio=0.1"]
 
 

@@ -186,8 +186,8 @@ def test_a_run_logs_its_config_every_metric_and_its_summary_to_every_tracker(tmp
 
     run_dir, db = tmp_path / "run", tmp_path / "ml" / "mlflow.db"
     db.parent.mkdir()
-    overrides = ["data=synthetic", "trainer.max_steps=12", "trainer.log_every=5",
-                 "trainer.eval_every=5", "trainer.progress_bar=false",
+    overrides = ["data=synthetic", "trainer.max_steps=12", "trainer.log_every_windows=5",
+                 "trainer.eval_every_steps=5", "trainer.progress_bar=false",
                  "logger=[tensorboard,csv,mlflow,wandb]",
                  f"logger.mlflow.tracking_uri=sqlite:///{db}", "logger.wandb.mode=offline"]
     proc = subprocess.run(

@@ -77,14 +77,14 @@ def test_plan_epoch_covers_every_sample_once(samples, micro, n):
 
 def test_epochwise_schedule_holds_each_entry_until_the_next():
     s = EpochwiseSchedule({0: 1, 2: 4, 5: 8})
-    assert [s.accum_steps(e) for e in range(7)] == [1, 1, 4, 4, 4, 8, 8]
+    assert [s.window_size(e) for e in range(7)] == [1, 1, 4, 4, 4, 8, 8]
     # keys arrive as strings or ints from YAML/CLI
-    assert EpochwiseSchedule({"3": 2, "0": 1}).accum_steps(3) == 2
+    assert EpochwiseSchedule({"3": 2, "0": 1}).window_size(3) == 2
 
 
 def test_global_batch_and_total_steps():
     s = build_schedule(GlobalBatchScheduleConfig(global_batch_size=64, micro_batch_size=8), 2)
-    assert s.accum_steps(0) == 4
+    assert s.window_size(0) == 4
     # 100 local samples, micro 8, N=4 -> 4 steps/epoch; 3 epochs -> 12; capped by max_steps
     assert total_optimizer_steps(s, 3, -1, 100, 8) == 12
     assert total_optimizer_steps(s, 3, 5, 100, 8) == 5

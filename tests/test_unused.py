@@ -25,8 +25,8 @@ TESTS = str(Path(__file__).parent)
 JOB = ["data=synthetic", "data.num_samples=128", "data.eval_samples=64", "data.in_dim=8",
        "data.out_dim=2", "schedule.micro_batch_size=8", "model._target_="
        "components_for_tests.SometimesUnusedBranch", "~model.hidden_sizes", "~model.activation",
-       "~model.dropout", "schedule.accum_steps=1", "trainer.max_epochs=1",
-       "trainer.checkpoint_every=1", "trainer.progress_bar=false",
+       "~model.dropout", "schedule.window_size=1", "trainer.max_epochs=1",
+       "trainer.checkpoint_every_steps=1", "trainer.progress_bar=false",
        "trainer.threads_per_worker=1", "trainer.devices=2"]
 
 
@@ -81,9 +81,9 @@ def test_fsdp_reduces_what_the_window_accumulated(tmp_path, cli_env):
     """Windows of 2 (the branch used on the first micro-batch, inside no_sync, skipped on the
     synchronising second): FSDP reduce-scatters what accumulated, so it trains; torch's DDP
     reduces what the synchronising backward produced, so torch_ddp stops."""
-    fsdp = job(tmp_path / "fsdp", cli_env, "engine=fsdp", "schedule.accum_steps=2")
+    fsdp = job(tmp_path / "fsdp", cli_env, "engine=fsdp", "schedule.window_size=2")
     code, _, err = fsdp.finish()
     assert code == 0, err
-    ddp = job(tmp_path / "ddp", cli_env, "schedule.accum_steps=2")
+    ddp = job(tmp_path / "ddp", cli_env, "schedule.window_size=2")
     code, _, err = ddp.finish()
     assert code == 1 and "UnusedParameters: rank" in err.strip().splitlines()[-1], err

@@ -198,7 +198,7 @@ CONF_DIR = conf_dir()
 
 # Mappings an override replaces whole (Hydra merges `key={...}` into the existing mapping, and
 # refuses a new key of it in struct mode): `key={0:2,3:8}` becomes `key=null ++key={0:2,3:8}`.
-REPLACED_MAPPINGS = ("schedule.accum_steps_by_epoch",)
+REPLACED_MAPPINGS = ("schedule.window_size_by_epoch",)
 
 
 def replace_mappings(overrides: list[str]) -> list[str]:

@@ -8,6 +8,8 @@ words."""
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,7 +38,23 @@ RENAMED: dict[str, str] = {
     "trainer.compile_dynamic": "compile.dynamic",
     "trainer.noise_scale": "noise_scale.enabled",
     "trainer.noise_scale_decay": "noise_scale.decay",
+    # the window's size N (the glossary's word), and the cadences named with their unit
+    "schedule.accum_steps": "schedule.window_size",
+    "schedule.accum_steps_by_epoch": "schedule.window_size_by_epoch",
+    "schedule.initial_accum_steps": "schedule.initial_window_size",
+    "schedule.min_accum_steps": "schedule.min_window_size",
+    "schedule.max_accum_steps": "schedule.max_window_size",
+    "trainer.log_every": "trainer.log_every_windows (windows between logs, an fp16-skipped "
+                         "step's included)",
+    "trainer.eval_every": "trainer.eval_every_steps",
+    "trainer.checkpoint_every": "trainer.checkpoint_every_steps",
 }
+
+# an option whose new name holds the same value: a config recorded under the old one (a
+# checkpoint's) reads as the new one
+_KEY = re.compile(r"[a-z_]+(\.[a-z_]+)+")
+MOVED: dict[str, str] = {old: new.split(" ", 1)[0] for old, new in RENAMED.items()
+                         if _KEY.fullmatch(new.split(" ", 1)[0])}
 
 
 def renamed(key: str) -> str | None:
@@ -63,3 +81,27 @@ def refuse_renamed_keys(plain: dict[str, Any]) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and last in node:
             raise ConfigError(renamed_line(old, RENAMED[old]))
+
+
+def upgrade_renamed_keys(plain: dict[str, Any]) -> dict[str, Any]:
+    """A config recorded under old names (a checkpoint's, written before a rename) with each
+    value moved to its new name (MOVED), where the new name is not set already; a copy, the
+    rest as it was. The same run then compares equal to a config composed today."""
+    out = copy.deepcopy(plain)
+    for old, new in MOVED.items():
+        *parents, last = old.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not (isinstance(node, dict) and last in node):
+            continue
+        value = node.pop(last)
+        *new_parents, new_last = new.split(".")
+        target = out
+        for part in new_parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                break
+        else:
+            target.setdefault(new_last, value)
+    return out

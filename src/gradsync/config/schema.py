@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from gradsync.components import ConfigError, accepts, require
+from gradsync.config.renames import upgrade_renamed_keys
 from gradsync.core.numerics import BITS
 
 
@@ -52,7 +53,7 @@ MAX_LOCAL_RANKS = 1024
 MAX_THREADS = 1024
 MAX_LOADER_WORKERS = 256
 MAX_EPOCHS = 10**6  # the run's epochs are planned one by one at its start
-MAX_ACCUM = 2**20  # micro-batches of one window (schedule=adaptive's bounds)
+MAX_WINDOW_SIZE = 2**20  # micro-batches of one window (schedule=adaptive's bounds)
 # A process group's timeout: torch's clocks count nanoseconds in 64 bits (about 292 years),
 # Python's timedelta fewer than 10**14 seconds; 10**9 s (31 years) is far from both.
 MAX_TIMEOUT_S = 10**9
@@ -67,8 +68,10 @@ class TrainerConfig:
     devices: int = 2
     max_steps: int = -1  # optimizer steps; -1: no limit (max_epochs decides)
     max_epochs: int = 30
-    log_every: int = 10  # optimizer steps between TensorBoard/console logs
-    eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
+    # windows (optimizer-step attempts: an fp16-skipped step's window counts) between
+    # TensorBoard/console logs
+    log_every_windows: int = 10
+    eval_every_steps: int = 0  # optimizer steps taken between evaluations; 0: only at the end
     backend: str = "auto"  # auto | gloo | nccl
     threads_per_worker: int = 0  # 0: the CPUs this process may use // ranks on the node
     progress_bar: bool = True
@@ -78,7 +81,7 @@ class TrainerConfig:
     # tensors, off for CUDA; true: torch's full mode (the fill too) (train/repro.py)
     deterministic: bool | None = None
     bits: str = "native"  # native | portable: the CPU numerics pinned (core/numerics.py)
-    checkpoint_every: int = 100  # optimizer steps; 0: only at the end (and when stopped)
+    checkpoint_every_steps: int = 100  # optimizer steps taken; 0: only at the end (and stopped)
     keep_checkpoints: int = 3  # the newest K step checkpoints stay
     num_workers: int = 0  # DataLoader worker processes per rank
     check_replicas: int = 0  # optimizer steps between cross-rank parameter checksums; 0: off
@@ -90,9 +93,9 @@ class TrainerConfig:
         check_types(self, "trainer")
         _in_range(self, "trainer", {
             "devices": (1, MAX_LOCAL_RANKS), "max_epochs": (1, MAX_EPOCHS),
-            "log_every": (1, None), "eval_every": (0, None),
+            "log_every_windows": (1, None), "eval_every_steps": (0, None),
             "threads_per_worker": (0, MAX_THREADS), "timeout_s": (1, MAX_TIMEOUT_S),
-            "checkpoint_every": (0, None), "keep_checkpoints": (1, None),
+            "checkpoint_every_steps": (0, None), "keep_checkpoints": (1, None),
             "num_workers": (0, MAX_LOADER_WORKERS), "check_replicas": (0, None)})
         require(self.max_steps == -1 or self.max_steps >= 1, "trainer.max_steps",
                 "-1 (no limit) or an integer >= 1", self.max_steps)
@@ -183,34 +186,34 @@ MICRO_BATCH_SIZE = 16
 class ConstantScheduleConfig:
     name: str = "constant"
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
-    accum_steps: int = 1
+    window_size: int = 1  # micro-batches per optimizer step (the window's N)
 
     def check(self, world_size: int) -> None:
         check_types(self, "schedule")
-        require(self.accum_steps >= 1, "schedule.accum_steps", "an integer >= 1",
-                self.accum_steps)
+        require(self.window_size >= 1, "schedule.window_size", "an integer >= 1",
+                self.window_size)
 
 
 @dataclass
 class EpochwiseScheduleConfig:
-    """Like Lightning's GradientAccumulationScheduler: {first_epoch: accum_steps}."""
+    """Like Lightning's GradientAccumulationScheduler: {first_epoch: window_size}."""
 
     name: str = "epochwise"
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     # dict[int, int]; typed Any so that an override can replace the mapping (config/hydra.py)
-    accum_steps_by_epoch: Any = field(default_factory=lambda: {0: 1})
+    window_size_by_epoch: Any = field(default_factory=lambda: {0: 1})
 
     def check(self, world_size: int) -> None:
         check_types(self, "schedule")
-        by_epoch = self.accum_steps_by_epoch
+        by_epoch = self.window_size_by_epoch
         require(isinstance(by_epoch, dict) and all(
             accepts(int, e) and accepts(int, n) for e, n in by_epoch.items()),
-            "schedule.accum_steps_by_epoch", "a mapping {first_epoch: accum_steps} of integers",
+            "schedule.window_size_by_epoch", "a mapping {first_epoch: window_size} of integers",
             by_epoch)
-        require(0 in by_epoch, "schedule.accum_steps_by_epoch",
-                "a mapping {first_epoch: accum_steps} that starts at epoch 0", by_epoch)
+        require(0 in by_epoch, "schedule.window_size_by_epoch",
+                "a mapping {first_epoch: window_size} that starts at epoch 0", by_epoch)
         require(all(e >= 0 and n >= 1 for e, n in by_epoch.items()),
-                "schedule.accum_steps_by_epoch", "epochs >= 0 mapped to accum_steps >= 1",
+                "schedule.window_size_by_epoch", "epochs >= 0 mapped to window_size >= 1",
                 by_epoch)
 
 
@@ -233,35 +236,35 @@ class GlobalBatchScheduleConfig:
 @dataclass
 class AdaptiveScheduleConfig:
     """N follows the measured gradient noise scale: the global batch is kept near scale x
-    B_simple, N clamped to [min_accum_steps, max_accum_steps], decided every `every_steps`
+    B_simple, N clamped to [min_window_size, max_window_size], decided every `every_steps`
     optimizer steps (docs/noise-scale.md)."""
 
     name: str = "adaptive"
     micro_batch_size: int = MICRO_BATCH_SIZE  # samples per rank per micro-batch
     scale: float = 1.0  # target global batch / B_simple
-    initial_accum_steps: int = 1  # until the first decision
-    min_accum_steps: int = 1
-    max_accum_steps: int = 16
+    initial_window_size: int = 1  # until the first decision
+    min_window_size: int = 1
+    max_window_size: int = 16
     every_steps: int = 10  # optimizer steps between decisions: N changes at most this often
 
     def check(self, world_size: int) -> None:
         check_types(self, "schedule")
-        _in_range(self, "schedule", {"initial_accum_steps": (1, MAX_ACCUM), "min_accum_steps":
-                                     (1, MAX_ACCUM), "max_accum_steps": (1, MAX_ACCUM),
+        _in_range(self, "schedule", {"initial_window_size": (1, MAX_WINDOW_SIZE), "min_window_size":
+                                     (1, MAX_WINDOW_SIZE), "max_window_size": (1, MAX_WINDOW_SIZE),
                                      "every_steps": (1, None)})
         require(finite(self.scale) and self.scale > 0, "schedule.scale", "a finite number > 0",
                 self.scale)
-        require(self.min_accum_steps <= self.max_accum_steps, "schedule.max_accum_steps",
-                f"an integer >= schedule.min_accum_steps={self.min_accum_steps}",
-                self.max_accum_steps)
-        require(self.min_accum_steps <= self.initial_accum_steps <= self.max_accum_steps,
-                "schedule.initial_accum_steps", f"an integer in [{self.min_accum_steps}, "
-                f"{self.max_accum_steps}] (schedule.min/max_accum_steps)",
-                self.initial_accum_steps)
+        require(self.min_window_size <= self.max_window_size, "schedule.max_window_size",
+                f"an integer >= schedule.min_window_size={self.min_window_size}",
+                self.max_window_size)
+        require(self.min_window_size <= self.initial_window_size <= self.max_window_size,
+                "schedule.initial_window_size", f"an integer in [{self.min_window_size}, "
+                f"{self.max_window_size}] (schedule.min/max_window_size)",
+                self.initial_window_size)
         if world_size == 1:
-            require(self.min_accum_steps >= 2, "schedule.min_accum_steps",
+            require(self.min_window_size >= 2, "schedule.min_window_size",
                     "an integer >= 2 on 1 rank (the noise scale is measured there from a "
-                    "window's first micro-batch and the whole window)", self.min_accum_steps)
+                    "window's first micro-batch and the whole window)", self.min_window_size)
 
 
 ScheduleConfig = (ConstantScheduleConfig | EpochwiseScheduleConfig | GlobalBatchScheduleConfig
@@ -404,12 +407,7 @@ class RunConfig:
             known = {f.name for f in fields(kind)}
             return kind(**{k: v for k, v in node.items() if k in known})
 
-        data = plain["data"]
-        if "micro_batch_size" in data and "micro_batch_size" not in plain["schedule"]:
-            # a config a checkpoint recorded before data.micro_batch_size was renamed
-            plain = plain | {"data": {k: v for k, v in data.items() if k != "micro_batch_size"},
-                             "schedule": plain["schedule"] | {
-                                 "micro_batch_size": data["micro_batch_size"]}}
+        plain = upgrade_renamed_keys(plain)  # a config a checkpoint recorded before a rename
         components: dict[str, Any] = {k: Component.from_node(plain[k]) for k in COMPONENTS}
         return cls(**components,
                    schedule=typed(SCHEDULES[plain["schedule"]["name"]], plain["schedule"]),

@@ -63,7 +63,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
     def per_rank(key: str) -> list[Any]:
         return [g[key] for g in gathered]
 
-    accum = p.schedule.sizes(p.trainer.max_epochs)
+    sizes = p.schedule.sizes(p.trainer.max_epochs)
     return {
         "optimizer_steps": state.step,
         "epochs_completed": state.epoch,
@@ -87,7 +87,7 @@ def summarize(p: Parts, state: Progress, seed: int) -> dict[str, Any]:
         "allreduce_skipped": per_rank("allreduce_skipped"),
         "overflow_flag_allreduces": per_rank("overflow_flag_allreduces"),
         "world_size": p.world_size,
-        "accum_steps": accum[0] if len(accum) == 1 else accum,
+        "window_size": sizes[0] if len(sizes) == 1 else sizes,
         "micro_batch_size": p.micro_batch_size,
         "sync_policy": p.policy.name,
         "loss_normalize": p.normalizer.name,

@@ -30,7 +30,7 @@ samples_to_target, bytes_to_target and seconds_to_target say where its eval loss
 the target loss (linear interpolation between the two evaluations around the crossing; empty
 when it never did). The target defaults to the worst final eval loss among the completed jobs,
 so each of them reaches it. The to-target columns exist only where they mean something: some
-job evaluated more than once (trainer.eval_every); with one evaluation at the end they would
+job evaluated more than once (trainer.eval_every_steps); with one evaluation at the end they would
 repeat each job's totals.
 
 The markdown table is the short one (TABLE_COLUMNS columns in all: the job, its swept values,
@@ -103,6 +103,17 @@ class Job:
         return self.summary.get("status") == "completed"
 
 
+OLD_WINDOW_KEY = "accum_steps"  # old name: window_size in a job's files written before
+# the glossary's rename (config/renames.py): an older sweep's jobs still read
+
+
+def _window_size_named(record: dict[str, Any]) -> dict[str, Any]:
+    """A summary or metrics row with its window size under today's name."""
+    if OLD_WINDOW_KEY not in record or "window_size" in record:
+        return record
+    return {("window_size" if k == OLD_WINDOW_KEY else k): v for k, v in record.items()}
+
+
 def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
     """A job's row from its dir; summary: its summary.json when the caller has read it."""
     hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
@@ -111,11 +122,12 @@ def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
         summary_path = job_dir / "summary.json"
         summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
                    {"status": "failed", "error": "no summary.json: the job did not finish"})
-    rows = _rows(job_dir / "metrics.jsonl")
+    summary = _window_size_named(summary)
+    rows = [_window_size_named(r) for r in _rows(job_dir / "metrics.jsonl")]
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
                _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
                [(r["samples"], math.nan if r["noise_scale"] is None else r["noise_scale"],
-                 r["accum_steps"]) for r in rows if "noise_scale" in r])
+                 r["window_size"]) for r in rows if "noise_scale" in r])
 
 
 SWEEP_LOCK = ".gradsync-sweep.lock"  # held by the sweep's process while it runs
@@ -338,7 +350,7 @@ def swept_keys(jobs: list[Job]) -> list[str]:
 
 
 def _global_batch(s: dict[str, Any]) -> int | str:
-    n = s.get("accum_steps")
+    n = s.get("window_size")
     return s["world_size"] * s["micro_batch_size"] * n if isinstance(n, int) else ""
 
 
@@ -397,7 +409,7 @@ def table(jobs: list[Job], target: float | None = None,
             s = {**s, "error": trial.user_attrs.get("gradsync_error", "the trial failed")}
             row["status"] = "failed"
         if job.completed:  # (a failed trial's numbers too: they say why)
-            row |= {k: s[k] for k in ("world_size", "micro_batch_size", "accum_steps")}
+            row |= {k: s[k] for k in ("world_size", "micro_batch_size", "window_size")}
             row |= {"global_batch": _global_batch(s), "optimizer_steps": s["optimizer_steps"]}
             row |= final_metrics(s)
         if target is not None and often:
@@ -422,7 +434,7 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "trial_state": ("trial state", str),
     "world_size": ("ranks", str),
     "micro_batch_size": ("micro", str),
-    "accum_steps": ("N", str),
+    "window_size": ("N", str),
     "global_batch": ("global batch", str),
     "optimizer_steps": ("steps", str),
     "final_train_loss": ("final train loss", lambda v: f"{v:.6g}"),
@@ -447,18 +459,18 @@ MARKDOWN: dict[str, tuple[str, Callable[[Any], str]]] = {
     "seconds_to_target": ("train s to target", lambda v: f"{v:.1f}"),
 }
 # Set-up columns that move out of the table into one line when every completed job agrees.
-SETUP = ("world_size", "micro_batch_size", "accum_steps", "global_batch", "optimizer_steps",
+SETUP = ("world_size", "micro_batch_size", "window_size", "global_batch", "optimizer_steps",
          "grad_held_bytes")
 # The markdown table's candidates, in the order shown, and which to keep first when more than
 # TABLE_COLUMNS remain (sweep_summary.csv has every column; peak RSS where no peak memory was
 # measured: the same number on the CPU).
-COMPACT = ("trial_state", "world_size", "micro_batch_size", "accum_steps", "global_batch",
+COMPACT = ("trial_state", "world_size", "micro_batch_size", "window_size", "global_batch",
            "optimizer_steps", "final_train_loss", "eval_loss", "eval_accuracy", "samples_per_s",
            "sync_backwards", "sent_bytes", "grad_held_bytes", "peak_mem_mb", "peak_rss_mb",
            "max_replica_drift", "noise_scale", "samples_to_target", "bytes_to_target",
            "seconds_to_target", "wall_s")
 PRIORITY = ("eval_loss", "final_train_loss", "sent_bytes", "samples_to_target",
-            "bytes_to_target", "seconds_to_target", "world_size", "accum_steps", "global_batch",
+            "bytes_to_target", "seconds_to_target", "world_size", "window_size", "global_batch",
             "optimizer_steps", "micro_batch_size", "samples_per_s", "max_replica_drift",
             "noise_scale", "grad_held_bytes", "peak_mem_mb", "peak_rss_mb", "eval_accuracy",
             "sync_backwards", "wall_s", "trial_state")
@@ -584,7 +596,7 @@ def markdown(sweep_dir: Path, jobs: list[Job], columns: list[str],
                      "empty: never).")
     elif done:
         lines.append("Each job evaluated once, at its end: no to-target columns (they would "
-                     "repeat its totals; trainer.eval_every=K evaluates along the way).")
+                     "repeat its totals; trainer.eval_every_steps=K evaluates along the way).")
     if study is not None:
         lines += _study_lines(study, rows)
     mixed = _numerics_line(jobs, rows)
@@ -612,7 +624,7 @@ def _shown(columns: list[str], rows: list[dict[str, Any]], swept: list[str], sam
     COMPACT's by PRIORITY up to TABLE_COLUMNS in all (5 at least), leaving out the set-up
     values every completed job shares (`same`), peak RSS where peak memory was measured, and
     any column whose cells repeat a column already kept (N beside a swept
-    schedule.accum_steps; sync backwards beside steps, one per step)."""
+    schedule.window_size; sync backwards beside steps, one per step)."""
     def cells(c: str) -> tuple[str, ...]:
         return tuple(str(r.get(c, "")) for r in rows)
 

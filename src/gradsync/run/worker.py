@@ -106,7 +106,7 @@ def build_parts(cfg: RunConfig, rank: int, world_size: int, device: torch.device
     schedule = build_schedule(cfg.schedule, world_size, units_per_sample=(
         data.tokens_per_sample if unit == "tokens" else 1.0))
     scaling, tick = cfg.lr_scaling, lr_scaling.clock(cfg.lr_scaling.name, cfg.schedule.name)
-    reference = lr_scaling.reference_batch(scaling, world_size, micro, schedule.accum_steps(0))
+    reference = lr_scaling.reference_batch(scaling, world_size, micro, schedule.window_size(0))
     if tick == "steps":
         total = total_optimizer_steps(schedule, tr.max_epochs, tr.max_steps, len(sampler), micro)
     else:  # the number of steps is not known in advance: the horizon in reference batches

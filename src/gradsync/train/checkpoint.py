@@ -22,6 +22,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from gradsync.config.renames import upgrade_renamed_keys
 from gradsync.core.files import replacing, write_json_atomic
 from gradsync.train import dcp_safe
 from gradsync.train.repro import config_hash
@@ -294,7 +295,7 @@ def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world:
     epoch, done = progress["epoch"], progress["epoch_step"]
     old = RunConfig.from_plain(old_cfg)
     micro = old.micro_batch_size
-    old_window = build_schedule(old.schedule, old_world).accum_steps(epoch)
+    old_window = build_schedule(old.schedule, old_world).window_size(epoch)
     consumed = done * old_window * micro * old_world
     window = new_window * micro * new_world
     return (epoch, consumed // window) if consumed % window == 0 else None
@@ -310,7 +311,7 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
     from gradsync.train.schedules import build_schedule
 
     run = RunConfig.from_plain(cfg)
-    window = build_schedule(run.schedule, world_size).accum_steps(meta["progress"]["epoch"])
+    window = build_schedule(run.schedule, world_size).window_size(meta["progress"]["epoch"])
     if epoch_position(meta["progress"], meta["config"], meta["world_size"], window,
                       world_size) is None:
         p = meta["progress"]
@@ -341,7 +342,7 @@ def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
         refuse_misaligned(path, meta, cfg, world_size)
     if meta["config_hash"] == config_hash(cfg):
         return
-    old = _flatten(meta["config"])
+    old = _flatten(upgrade_renamed_keys(meta["config"]))  # written before a rename: its new names
     new = _flatten(json.loads(json.dumps(cfg)))  # the sidecar's JSON types (str dict keys)
     for key in sorted(old.keys() | new.keys()):
         if key.startswith(MAY_CHANGE) or old.get(key) == new.get(key):

@@ -13,7 +13,7 @@ before the step (normalize.py).
 Two counters: ``windows`` counts optimizer-step attempts (one per window: the log cadence and the
 x-axis of TensorBoard); ``step`` counts optimizer steps applied. With fp16 the GradScaler skips
 the step of a window whose gradients hold inf/nan: such a window advances ``windows`` but neither
-``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every`` count only
+``step`` nor the LR scheduler, so the LR schedule, ``max_steps`` and ``eval_every_steps`` count only
 real updates (Lightning #5558 stepped the scheduler anyway).
 
 Windows are cut one at a time from where the epoch stands (windows.py), so the window size may
@@ -41,7 +41,7 @@ in order (tests/test_loop.py holds it):
    it, and so do the replicas' drifts when the logged windows averaged: a slot per rank, the
    max taken after)
 7. ``replica_check``: trainer.check_replicas, every K steps
-8. ``evaluation``: trainer.eval_every, every K steps
+8. ``evaluation``: trainer.eval_every_steps, every K steps
 9. ``stop``: the stop agreement (async, on the control group)
 10. ``checkpoint``: at a cadence, a stop, or the end: the rows flushed (the loss), the finite
     check (fp32), the buffers aligned, the checkpoint's gather
@@ -178,14 +178,14 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
     stop = 0
     while not (state.finished(tr) or stop):
         epoch = state.epoch
-        for window in windows(p.loader, epoch, partial(p.schedule.accum_steps, epoch),
+        for window in windows(p.loader, epoch, partial(p.schedule.window_size, epoch),
                               state.epoch_micro, p.device):
             t0 = time.perf_counter()
             loss = run_window(p.engine, window, p.policy, p.loss, p.normalizer,  # 1, 2
                               p.precision, p.noise, p.call)
             lr_factor = before_step(p, state, window)  # the noise scale's norms, LR scaling
             lr = p.optimizer.param_groups[0]["lr"]
-            log_now = (state.windows + 1) % tr.log_every == 0
+            log_now = (state.windows + 1) % tr.log_every_windows == 0
             stepped, norm = optimizer_step(  # 3
                 p.engine, p.optimizer, p.policy, p.normalizer, precision=p.precision,
                 clip_grad_norm=tr.clip_grad_norm, lr_scheduler=p.lr_scheduler,
@@ -202,10 +202,10 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
             fail_if_asked(tr, state.step, stepped, p.world_size)
             if stepped and due(state.step, p.replica_check_every) and averager.in_sync():
                 check_replicas(model, state.step)  # 7
-            if stepped and due(state.step, tr.eval_every):
+            if stepped and due(state.step, tr.eval_every_steps):
                 evaluate(p, state, log)  # 8
             stop = p.stop.poll() if p.stop is not None else 0  # 9
-            if stop or finished or (stepped and due(state.step, tr.checkpoint_every)):
+            if stop or finished or (stepped and due(state.step, tr.checkpoint_every_steps)):
                 save_checkpoint(p, state, rows)  # 10
             if stop or finished:
                 break
@@ -339,6 +339,6 @@ def finish(p: Parts, state: Progress, rows: StepLog, log: RunLog, stop: int) -> 
     rows.flush(state, None)
     if p.stop is not None:
         p.stop.close()
-    if not stop and not (state.step and due(state.step, p.trainer.eval_every)):
+    if not stop and not (state.step and due(state.step, p.trainer.eval_every_steps)):
         evaluate(p, state, log)
     return state

@@ -136,6 +136,6 @@ class ScaledLR:
 
 
 def reference_batch(cfg: LRScalingConfig, world_size: int, micro_batch_size: int,
-                    first_accum_steps: int) -> int:
+                    first_window_size: int) -> int:
     """The global batch the optimizer's LR is set for (0: the first window's)."""
-    return cfg.reference_batch or world_size * micro_batch_size * first_accum_steps
+    return cfg.reference_batch or world_size * micro_batch_size * first_window_size

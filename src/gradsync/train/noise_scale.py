@@ -103,15 +103,15 @@ def check(cfg: RunConfig, world_size: int, policy: SyncPolicy, probed: bool) -> 
     if world_size == 1 and s.name != "adaptive" and max(_window_sizes(cfg)) < 2:
         raise ConfigError(f"{why} on 1 rank compares a window's first micro-batch with the "
                           "whole window: every window here has 1 micro-batch; use "
-                          "schedule.accum_steps >= 2 (or more ranks)")
+                          "schedule.window_size >= 2 (or more ranks)")
 
 
 def _window_sizes(cfg: RunConfig) -> list[int]:
     s: Any = cfg.schedule
     if s.name == "constant":
-        return [s.accum_steps]
+        return [s.window_size]
     if s.name == "epochwise":
-        return [int(n) for n in s.accum_steps_by_epoch.values()]
+        return [int(n) for n in s.window_size_by_epoch.values()]
     return [s.global_batch_size // cfg.micro_batch_size]  # global_batch on 1 rank
 
 

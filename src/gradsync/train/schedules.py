@@ -26,7 +26,7 @@ class MeasuredNoise(Protocol):
 
 
 class Schedule(Protocol):
-    def accum_steps(self, epoch: int) -> int:
+    def window_size(self, epoch: int) -> int:
         """Micro-batches of the next window (an epoch's last window may hold fewer)."""
         ...
 
@@ -44,38 +44,38 @@ class Schedule(Protocol):
 
 
 class ConstantSchedule:
-    def __init__(self, accum_steps: int):
-        self.steps = accum_steps
+    def __init__(self, window_size: int):
+        self.size = window_size
 
-    def accum_steps(self, epoch: int) -> int:
-        return self.steps
+    def window_size(self, epoch: int) -> int:
+        return self.size
 
     def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         pass
 
     def sizes(self, max_epochs: int) -> list[int]:
-        return [self.steps]
+        return [self.size]
 
     def largest(self, max_epochs: int) -> int:
-        return self.steps
+        return self.size
 
 
 class EpochwiseSchedule:
-    """{first_epoch: accum_steps}; each entry holds until the next one starts."""
+    """{first_epoch: window_size}; each entry holds until the next one starts."""
 
-    def __init__(self, accum_steps_by_epoch: dict[int, int]):
-        items = sorted((int(e), int(n)) for e, n in accum_steps_by_epoch.items())
+    def __init__(self, window_size_by_epoch: dict[int, int]):
+        items = sorted((int(e), int(n)) for e, n in window_size_by_epoch.items())
         self.starts = [e for e, _ in items]
-        self.steps = [n for _, n in items]
+        self.by_start = [n for _, n in items]
 
-    def accum_steps(self, epoch: int) -> int:
-        return self.steps[bisect.bisect_right(self.starts, epoch) - 1]
+    def window_size(self, epoch: int) -> int:
+        return self.by_start[bisect.bisect_right(self.starts, epoch) - 1]
 
     def after_step(self, step: int, noise: MeasuredNoise | None) -> None:
         pass
 
     def sizes(self, max_epochs: int) -> list[int]:
-        return sorted({self.accum_steps(e) for e in range(max_epochs)})
+        return sorted({self.window_size(e) for e in range(max_epochs)})
 
     def largest(self, max_epochs: int) -> int:
         return max(self.sizes(max_epochs))
@@ -96,7 +96,7 @@ class AdaptiveSchedule:
         self.size = initial
         self.used = [initial]
 
-    def accum_steps(self, epoch: int) -> int:
+    def window_size(self, epoch: int) -> int:
         return self.size
 
     def target(self, b_simple: float) -> int | None:
@@ -135,12 +135,12 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, *,
     units_per_sample: of the loss's unit (tokens per sequence on token-normalised data)."""
     micro_batch_size = cfg.micro_batch_size
     if isinstance(cfg, ConstantScheduleConfig):
-        return ConstantSchedule(cfg.accum_steps)
+        return ConstantSchedule(cfg.window_size)
     if isinstance(cfg, EpochwiseScheduleConfig):
-        return EpochwiseSchedule(cfg.accum_steps_by_epoch)
+        return EpochwiseSchedule(cfg.window_size_by_epoch)
     if isinstance(cfg, AdaptiveScheduleConfig):
-        return AdaptiveSchedule(cfg.scale, cfg.initial_accum_steps, cfg.min_accum_steps,
-                                cfg.max_accum_steps, cfg.every_steps,
+        return AdaptiveSchedule(cfg.scale, cfg.initial_window_size, cfg.min_window_size,
+                                cfg.max_window_size, cfg.every_steps,
                                 world_size * micro_batch_size * units_per_sample)
     # divides exactly, at least once (GlobalBatchScheduleConfig.check)
     return ConstantSchedule(cfg.global_batch_size // (world_size * micro_batch_size))
@@ -149,7 +149,7 @@ def build_schedule(cfg: ScheduleConfig, world_size: int, *,
 def optimizer_steps_per_epoch(schedule, epoch: int, local_samples: int, micro: int) -> int:
     """Windows per epoch (cut_window's, one after another): the same on every rank, so one
     rank holding local_samples tells."""
-    return -(-micro_batches(Shard(local_samples), micro) // schedule.accum_steps(epoch))
+    return -(-micro_batches(Shard(local_samples), micro) // schedule.window_size(epoch))
 
 
 def total_optimizer_steps(schedule, max_epochs: int, max_steps: int, local_samples: int,

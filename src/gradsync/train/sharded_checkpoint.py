@@ -119,7 +119,7 @@ def load(p: Parts, path: Path, rank: int, group: Any) -> Progress:
     rest = checkpoint.load(path / STATE_FILE)
     state = trainstate.restore(p, rest, rank, skip=SHARDED)
     if rest["world_size"] != p.world_size:  # where the same samples end at this world size
-        window = p.schedule.accum_steps(state.epoch)
+        window = p.schedule.window_size(state.epoch)
         found = checkpoint.epoch_position(rest["progress"], rest["config"], rest["world_size"],
                                           window, p.world_size)
         assert found is not None, "refused before the ranks started (refuse_misaligned)"

@@ -1,6 +1,7 @@
 """The rows of metrics.jsonl: one per window, kept until the next log point
-(trainer.log_every), when their losses (and the replicas' drifts, and the noise scale's rows)
-are reduced over the ranks in one all-reduce and written, with TensorBoard's scalars."""
+(trainer.log_every_windows), when their losses (and the replicas' drifts, and the noise
+scale's rows) are reduced over the ranks in one all-reduce and written, with TensorBoard's
+scalars."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class StepLog:
         scaling's factor), the replicas' drift when it averaged, the sync trace's numbers;
         its loss (this rank's share, a tensor: no host read) is reduced at the log point."""
         row: dict[str, Any] = {"window": state.windows, "step": state.step, "epoch": epoch,
-                               "accum_steps": window.size, "samples": state.samples_seen,
+                               "window_size": window.size, "samples": state.samples_seen,
                                "lr": lr, "stepped": stepped}
         if lr_factor is not None:
             row["lr_factor"] = lr_factor
@@ -105,7 +106,7 @@ class StepLog:
         c = self.p.counts
         scalars = {
             "train/loss": last["loss"], "train/lr": last["lr"], "perf/samples_per_s": sps,
-            "train/accum_steps": last["accum_steps"], "comm/sync_backwards": c.sync_backwards,
+            "train/window_size": last["window_size"], "comm/sync_backwards": c.sync_backwards,
             "comm/allreduce_calls": c.allreduce_calls, "comm/allreduce_bytes": c.allreduce_bytes,
         } | {f"comm/bytes/{g}": nbytes for g, (_, nbytes) in c.groups.items()} \
           | c.sharded_scalars() | self.p.engine.memory.scalars()
