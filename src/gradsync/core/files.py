@@ -39,3 +39,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     with replacing(path) as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A JSON tree's leaves under dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``): how a
+    checkpoint's config and a numerics fingerprint are compared key by key."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}

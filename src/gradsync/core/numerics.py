@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from gradsync.core.files import flatten
+
 BITS = ("native", "portable")
 PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports pinned
 CPU_BASELINE = ("avx2", "fma")  # /proc/cpuinfo flags the pinned kernels need
@@ -252,22 +254,13 @@ def fingerprint(bits: str) -> dict[str, Any]:
 _PORTABLE_IGNORES = ("cpu.vendor", "cpu.model", "cpu.flags")
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
     """What differs between two fingerprints where it can change bits: `key: old -> new`, in
     key order (under portable bits on both sides, the CPU's vendor, model and flags do not).
     A record without a fingerprint (written before they existed) differs as 'unrecorded'."""
     if not old:
         return ["numerics: unrecorded -> recorded"]
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     ignore = _PORTABLE_IGNORES if a.get("bits") == b.get("bits") == "portable" else ()
     return [f"{k}: {a.get(k)} -> {b.get(k)}" for k in sorted(a.keys() | b.keys())
             if not k.startswith(ignore) and a.get(k) != b.get(k)]
@@ -275,7 +268,7 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
 
 def key(fp: dict[str, Any]) -> str:
     """A short digest of what can change bits (equal keys: the same numerics)."""
-    flat = _flat(fp)
+    flat = flatten(fp)
     if flat.get("bits") == "portable":
         flat = {k: v for k, v in flat.items() if not k.startswith(_PORTABLE_IGNORES)}
     return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:12]

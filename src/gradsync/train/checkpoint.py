@@ -23,7 +23,7 @@ from typing import IO, Any, cast
 import torch
 
 from gradsync.config.renames import upgrade_renamed_keys
-from gradsync.core.files import replacing, write_json_atomic
+from gradsync.core.files import flatten, replacing, write_json_atomic
 from gradsync.train import dcp_safe
 from gradsync.train.repro import config_hash
 
@@ -273,15 +273,6 @@ def resolve_resume(resume: str, run_dir: Path, cfg: dict[str, Any], world_size: 
     return path.resolve()
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world: int,
                    new_window: int, new_world: int) -> tuple[int, int] | None:
     """Where a checkpoint stands in its epoch, as the windows of new_window micro-batches on
@@ -342,8 +333,8 @@ def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
         refuse_misaligned(path, meta, cfg, world_size)
     if meta["config_hash"] == config_hash(cfg):
         return
-    old = _flatten(upgrade_renamed_keys(meta["config"]))  # written before a rename: its new names
-    new = _flatten(json.loads(json.dumps(cfg)))  # the sidecar's JSON types (str dict keys)
+    old = flatten(upgrade_renamed_keys(meta["config"]))  # written before a rename: its new names
+    new = flatten(json.loads(json.dumps(cfg)))  # the sidecar's JSON types (str dict keys)
     for key in sorted(old.keys() | new.keys()):
         if key.startswith(MAY_CHANGE) or old.get(key) == new.get(key):
             continue
