@@ -188,7 +188,8 @@ def project(runs: Sequence[RunFacts], ranks: Sequence[int], links: Sequence[Link
                              "comm_share": comm / step if step > 0 else 0.0,
                              "samples_per_s": None if step <= 0 else
                              p * run.micro_per_step / step,  # micro-batches/s (x batch size)
-                             "time_to_target_s": None if reached is None else reached * step})
+                             "time_to_target_s": None if reached is None else reached * step,
+                             "fastest": False})
             here = [r for r in rows if r["link"] == link.text and r["ranks"] == p]
             timed = [r for r in here if r["time_to_target_s"] is not None]
             if timed:  # the first to the target loss
