@@ -39,9 +39,9 @@ MAX_RANKS = 16
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
 SYS_NET = Path("/sys/class/net")
-# what the link carries beyond the engine's bytes: Ethernet (14 B header + 4 B... the veth counts
-# 14 B), IPv4 (20 B) and TCP (20 B + 12 B timestamps) headers per segment of at most 1448 B of
-# payload (MTU 1500), the ACKs of the other direction, gloo's own framing and the rendezvous
+# what the link carries beyond the engine's bytes: Ethernet (14 B, as the veth counts it), IPv4
+# (20 B) and TCP (20 B + 12 B of timestamps) headers per segment of at most 1448 B of payload
+# (MTU 1500); besides, the ACKs of the other direction, gloo's own framing and the rendezvous
 HEADER_BYTES = 14 + 20 + 32
 SEGMENT_BYTES = 1448
 OVERHEAD = ("per TCP segment of <= 1448 B: 66 B of Ethernet, IPv4 and TCP headers (4.6 %); "

@@ -10,8 +10,9 @@ reduce-scatters and all-gathers). The compute of one micro-batch is the run's tr
 less what its own link took by the same model (network=shaped: its rate; network=local: no
 link), per micro-batch. Then, per step on p ranks:
 
-    all-reduce of S bytes (ring):        2 (p-1)/p * S / B + 2 (p-1) L
-    reduce-scatter or all-gather of S:     (p-1)/p * S / B +   (p-1) L
+    all-reduce of S bytes (ring):        2 (p-1)/p * S * F / B + 2 (p-1) L
+    reduce-scatter or all-gather of S:     (p-1)/p * S * F / B +   (p-1) L
+    F = 1 + 66/1448: TCP/IPv4/Ethernet headers per full segment (MTU 1500)
     step = N * compute per micro-batch + the step's collectives, one after another
 
 A sweep dir (one subdir per job, each with its summary.json) gives one row per job; the fastest
@@ -30,9 +31,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradsync.run.network import rate_bits, seconds
+from gradsync.run.network import HEADER_BYTES, SEGMENT_BYTES, rate_bits, seconds
 
 SUMMARY = "summary.json"
+# what the link carries per byte of the engine's: TCP/IPv4 over Ethernet, 66 B of headers per
+# segment of 1448 B (MTU 1500); the other direction's ACKs and the rendezvous left out
+FRAMING = 1 + HEADER_BYTES / SEGMENT_BYTES
 
 
 class ProjectError(ValueError):
@@ -66,14 +70,15 @@ def allreduce_s(nbytes: float, calls: float, p: int, link: LinkSpec) -> float:
     (a latency each) per call."""
     if p <= 1:
         return 0.0
-    return 2 * (p - 1) / p * nbytes / link.bytes_per_s + calls * 2 * (p - 1) * link.latency_s
+    return (2 * (p - 1) / p * nbytes * FRAMING / link.bytes_per_s
+            + calls * 2 * (p - 1) * link.latency_s)
 
 
 def half_ring_s(nbytes: float, calls: float, p: int, link: LinkSpec) -> float:
     """A reduce-scatter or an all-gather (ring): (p-1)/p of the bytes, p-1 latencies per call."""
     if p <= 1:
         return 0.0
-    return (p - 1) / p * nbytes / link.bytes_per_s + calls * (p - 1) * link.latency_s
+    return (p - 1) / p * nbytes * FRAMING / link.bytes_per_s + calls * (p - 1) * link.latency_s
 
 
 @dataclass
