@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,17 +29,21 @@ sys.path.insert(0, str(REPO / "src"))
 
 from gradsync.run.project import LinkSpec, allreduce_s  # noqa: E402
 
-# policy: (overrides, steps): steps + 1 rows, the timed interval a whole number of syncs
+# policy: (overrides, steps, period): the steps timed, and the steps between averagings
 POLICIES = {
-    "always": (["sync=always"], 8),
-    "accumulate-8": (["sync=accumulate", "schedule.accum_steps=8"], 8),
-    "local_sgd": (["sync=local_sgd", "sync.every=8"], 16),
+    "always": (["sync=always"], 16, 1),
+    "accumulate-8": (["sync=accumulate", "schedule.accum_steps=8"], 16, 1),
+    "local_sgd": (["sync=local_sgd", "sync.every=8"], 24, 8),
 }
 COMMON = ["trainer.checkpoint_every=0", "trainer.log_every=1", "logger=csv"]
 WITHIN = 0.15
 
 
-def run_job(run_dir: Path, overrides: list[str]) -> dict:
+def run_job(run_dir: Path, overrides: list[str], period: int) -> dict:
+    """Run a job; its summary, with step_s: the median step (per-step train_s from
+    metrics.jsonl, step 1 left out: the warm-up), and with averagings every `period` steps
+    the median averaging step's share added in its proportion. Medians: the machine is shared,
+    and a step the load stretched moves the mean."""
     cmd = [str(Path(sys.executable).parent / "gradsync-train"), f"hydra.run.dir={run_dir}",
            *COMMON, *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -47,8 +52,14 @@ def run_job(run_dir: Path, overrides: list[str]) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train_s" in r and "step" in r]
-    first, last = rows[0], rows[-1]
-    summary["step_s"] = (last["train_s"] - first["train_s"]) / (last["step"] - first["step"])
+    steps = {b["step"]: b["train_s"] - a["train_s"] for a, b in zip(rows, rows[1:], strict=False)}
+    plain = [t for k, t in steps.items() if k % period]
+    averaging = [t for k, t in steps.items() if k % period == 0]
+    if period == 1:
+        summary["step_s"] = statistics.median(averaging)
+    else:
+        summary["step_s"] = (statistics.median(plain) * (period - 1)
+                             + statistics.median(averaging)) / period
     return summary
 
 
@@ -67,14 +78,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gradsync-slow-network-") as tmp:
         for p in ranks:
             for policy in policies:
-                overrides, steps = POLICIES[policy]
+                overrides, steps, period = POLICIES[policy]
                 job = [*overrides, f"trainer.devices={p}", f"trainer.max_steps={steps + 1}"]
-                # the compute: the same run on one host, gloo over loopback (no shared memory)
-                local = run_job(Path(tmp) / f"local-{p}-{policy}",
-                                [*job, "engine.allreduce=process_group"])
-                for rate in rates:
-                    shaped = run_job(Path(tmp) / f"shaped-{p}-{policy}-{rate}",
-                                     [*job, "network=shaped", f"network.rate={rate}"])
+                # the compute: the same run on one host, gloo over loopback (no shared
+                # memory), before and after the shaped runs (the load moves): their mean
+                local_job = [*job, "engine.allreduce=process_group"]
+                before = run_job(Path(tmp) / f"local-{p}-{policy}-a", local_job, period)
+                shaped_runs = [run_job(Path(tmp) / f"shaped-{p}-{policy}-{rate}",
+                                       [*job, "network=shaped", f"network.rate={rate}"], period)
+                               for rate in rates]
+                after = run_job(Path(tmp) / f"local-{p}-{policy}-b", local_job, period)
+                local = {"step_s": (before["step_s"] + after["step_s"]) / 2}
+                for rate, shaped in zip(rates, shaped_runs, strict=True):
                     n = shaped["optimizer_steps"]
                     comm = allreduce_s(shaped["allreduce_bytes"][0] / n,
                                        shaped["allreduce_calls"][0] / n, p,

@@ -254,3 +254,19 @@ def test_projection_bad_input_is_one_line_exit_2(argv, expected, tmp_path, capsy
         project.main([str(tmp_path / "nothing")])
     assert "neither a run dir nor a sweep dir" in capsys.readouterr().err
 
+
+
+def test_time_to_target_is_the_runs_steps_to_it_at_the_projected_step(tmp_path):
+    fast = _summary(tmp_path, "0")
+    (fast / "evals.jsonl").write_text("".join(json.dumps({"step": s, "loss": loss}) + "\n"
+                                              for s, loss in ((5, 2.0), (10, 1.0))))
+    slow = _summary(tmp_path, "1", sync_policy="accumulate", allreduce_bytes=[10 * 1e6] * 2,
+                    allreduce_calls=[20] * 2)
+    (slow / "evals.jsonl").write_text(json.dumps({"step": 10, "loss": 1.5}) + "\n")
+    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
+    link = project.LinkSpec.parse("100mbit")
+    rows = project.project(runs, [64], [link], target=1.5)
+    assert rows[0]["time_to_target_s"] == pytest.approx(10 * runs[0].step_s(64, link))
+    assert rows[1]["time_to_target_s"] == pytest.approx(10 * runs[1].step_s(64, link))
+    assert [r["fastest"] for r in rows] == [False, True]  # the same steps, a cheaper step
+    assert project.project(runs, [64], [link], target=0.5)[0]["time_to_target_s"] is None

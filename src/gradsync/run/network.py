@@ -234,6 +234,14 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def _no_ipv6(dev: str) -> None:
+    """A host-side device of the run without IPv6 (no link-local address, no neighbour
+    discovery on the links)."""
+    knob = Path("/proc/sys/net/ipv6/conf") / dev / "disable_ipv6"
+    if knob.exists():
+        knob.write_text("1")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -328,6 +336,7 @@ class ShapedNetwork:
     def _make(self) -> None:
         bridge = f"{self.tag}br"
         self._add("link", bridge, ["ip", "link", "add", bridge, "type", "bridge"])
+        _no_ipv6(bridge)  # no link-local address: the host stays out of the ranks' reach
         _run("ip", "link", "set", bridge, "up")
         for rank in range(self.world_size):
             netns, host, inner = f"{self.tag}r{rank}", self.host_end(rank), f"{self.tag}n{rank}"
@@ -336,6 +345,7 @@ class ShapedNetwork:
             self._add("link", host, ["ip", "link", "add", host, "type", "veth", "peer", "name",
                                      inner])
             _run("ip", "link", "set", inner, "netns", netns)
+            _no_ipv6(host)
             _run("ip", "link", "set", host, "master", bridge, "up")
             _run("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", inner)
             _run("ip", "-n", netns, "link", "set", inner, "up")

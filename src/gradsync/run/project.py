@@ -152,15 +152,16 @@ def read_run(run_dir: Path) -> RunFacts:
 
 
 def _eval_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, eval loss) of every evaluation (evals.jsonl)."""
     rows = []
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / "evals.jsonl"
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            loss = row.get("eval/loss", row.get("eval_loss"))
+            loss = row.get("loss")
             if isinstance(loss, (int, float)) and math.isfinite(loss) and "step" in row:
                 rows.append((int(row["step"]), float(loss)))
     return rows
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--link", action="append", default=None,
                         help="RATE[,LATENCY], e.g. 10gbit,5us (repeatable)")
     parser.add_argument("--target-loss", type=float, default=None,
-                        help="eval loss whose time is projected (steps taken from the run)")
+                        help="an eval loss: the time to it (the run's steps to it, evals.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON (default: "
                         "RUN_DIR/projection.json)")
     args = parser.parse_args(argv)
