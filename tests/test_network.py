@@ -200,7 +200,7 @@ def test_the_projection_is_the_ring_formulas(tmp_path):
     assert (link.bits_per_s, link.latency_s) == (1e10, pytest.approx(5e-6))
     assert run.compute_per_micro_s == pytest.approx(0.2 / 4)
     p, b, L = 64, 1.25e9, 5e-6
-    f = 1 + 66 / 1448  # the headers of a full TCP segment
+    f = 1 + 1.5 * 66 / 1448  # the headers of a full TCP segment, half as many ACKs
     comm = 2 * (p - 1) / p * 4e6 * f / b + 8 * 2 * (p - 1) * L
     assert run.comm_s(p, link) == pytest.approx(comm)
     assert run.step_s(p, link) == pytest.approx(0.2 + comm)
@@ -212,7 +212,7 @@ def test_a_shaped_runs_own_link_is_taken_out_of_its_compute(tmp_path):
                                                "rate_bits_per_s": 1e8, "delay": "0ms"},
                     train_s=5.0)
     run = project.read_run(shaped)
-    own = 2 * 1 / 2 * 4e6 * (1 + 66 / 1448) / 12.5e6  # 2 ranks: the buffer once per step
+    own = 2 * 1 / 2 * 4e6 * (1 + 99 / 1448) / 12.5e6  # 2 ranks: the buffer once per step
     assert run.compute_per_micro_s == pytest.approx((0.5 - own) / 4)
 
 
@@ -223,7 +223,7 @@ def test_sharded_collectives_are_half_rings(tmp_path):
                                     reduce_scatter_calls=[10] * 2, all_gather_calls=[10] * 2))
     link = project.LinkSpec.parse("1gbit,1ms")
     p = 8
-    assert run.comm_s(p, link) == pytest.approx(7 / 8 * 6e6 * (1 + 66 / 1448) / 1.25e8
+    assert run.comm_s(p, link) == pytest.approx(7 / 8 * 6e6 * (1 + 99 / 1448) / 1.25e8
                                                 + 2 * 7 * 1e-3)
 
 

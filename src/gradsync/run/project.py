@@ -12,7 +12,8 @@ link), per micro-batch. Then, per step on p ranks:
 
     all-reduce of S bytes (ring):        2 (p-1)/p * S * F / B + 2 (p-1) L
     reduce-scatter or all-gather of S:     (p-1)/p * S * F / B +   (p-1) L
-    F = 1 + 66/1448: TCP/IPv4/Ethernet headers per full segment (MTU 1500)
+    F = 1 + 1.5 * 66/1448: TCP/IPv4/Ethernet headers per full segment (MTU 1500), and the
+        ACKs of what the rank receives meanwhile (one per two segments)
     step = N * compute per micro-batch + the step's collectives, one after another
 
 A sweep dir (one subdir per job, each with its summary.json) gives one row per job; the fastest
@@ -34,9 +35,11 @@ from typing import Any
 from gradsync.run.network import HEADER_BYTES, SEGMENT_BYTES, rate_bits, seconds
 
 SUMMARY = "summary.json"
-# what the link carries per byte of the engine's: TCP/IPv4 over Ethernet, 66 B of headers per
-# segment of 1448 B (MTU 1500); the other direction's ACKs and the rendezvous left out
-FRAMING = 1 + HEADER_BYTES / SEGMENT_BYTES
+# what a rank's link carries per byte of the engine's: TCP/IPv4 over Ethernet, 66 B of headers
+# per segment of 1448 B (MTU 1500), and the ACKs (66 B per two segments, delayed ACKs) of what
+# it receives meanwhile (a ring's every rank sends and receives at once); the rendezvous and the
+# job's own small collectives left out
+FRAMING = 1 + 1.5 * HEADER_BYTES / SEGMENT_BYTES
 
 
 class ProjectError(ValueError):
