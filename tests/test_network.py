@@ -160,6 +160,7 @@ def test_a_killed_launchers_links_go_at_the_next_start_which_trains_the_same_bit
     assert net["name"] == "shaped" and net["rate_bits_per_s"] == 1e9
     engine = s["allreduce_bytes"]
     assert net["engine_bytes"] == engine and min(engine) > 1e6
+    assert net["ring_bytes"] == engine  # 2 ranks: a ring sends the buffer once
     for r in range(2):  # at least what the engine sent, and not much more than it (headers)
         assert engine[r] <= net["link_sent_bytes"][r] <= 1.15 * engine[r]
         assert engine[r] <= net["link_received_bytes"][r] <= 1.15 * engine[r]

@@ -387,13 +387,23 @@ class ShapedNetwork:
         after = [self.counters(r) for r in range(self.world_size)]
         sent = [a[0] - b[0] for a, b in zip(after, self.before, strict=True)]
         received = [a[1] - b[1] for a, b in zip(after, self.before, strict=True)]
-        engine = [sum(summary.get(k, [0] * self.world_size)[r]
-                      for k in ("allreduce_bytes", "reduce_scatter_bytes", "all_gather_bytes")
-                      if isinstance(summary.get(k), list))
-                  for r in range(self.world_size)]
+        p = self.world_size
+
+        def counted(key: str) -> list[int]:
+            value = summary.get(key)
+            return value if isinstance(value, list) else [0] * p
+
+        whole, sharded = counted("allreduce_bytes"), [
+            a + b for a, b in zip(counted("reduce_scatter_bytes"), counted("all_gather_bytes"),
+                                  strict=True)]
         return {**asdict(self.cfg), "rate_bits_per_s": self.cfg.rate_bits,
                 "link_sent_bytes": sent, "link_received_bytes": received,
-                "engine_bytes": engine, "overhead": OVERHEAD}
+                "engine_bytes": [a + b for a, b in zip(whole, sharded, strict=True)],
+                # what a ring sends of them: 2(p-1)/p of an all-reduce's bytes, (p-1)/p of a
+                # reduce-scatter's or an all-gather's
+                "ring_bytes": [round(2 * (p - 1) / p * a + (p - 1) / p * b)
+                               for a, b in zip(whole, sharded, strict=True)],
+                "overhead": OVERHEAD}
 
 
 def local_section(cfg: NetworkConfig) -> dict[str, Any]:
