@@ -271,3 +271,15 @@ def test_time_to_target_is_the_runs_steps_to_it_at_the_projected_step(tmp_path):
     assert rows[1]["time_to_target_s"] == pytest.approx(10 * runs[1].step_s(64, link))
     assert [r["fastest"] for r in rows] == [False, True]  # the same steps, a cheaper step
     assert project.project(runs, [64], [link], target=0.5)[0]["time_to_target_s"] is None
+
+
+def test_a_sweeps_jobs_are_named_by_what_sets_them_apart(tmp_path):
+    for job, race in (("0", "always"), ("1", "local_sgd_h8")):
+        hydra = _summary(tmp_path, job) / ".hydra"
+        hydra.mkdir()
+        (hydra / "overrides.yaml").write_text(
+            f"- experiment=policy_race\n- +experiment/race={race}\n- network=shaped\n")
+    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
+    project.label(runs)
+    assert [r.name for r in runs] == ["0 +experiment/race=always",
+                                      "1 +experiment/race=local_sgd_h8"]

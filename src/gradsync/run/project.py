@@ -28,7 +28,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,7 @@ class RunFacts:
     train_s: float
     own_link: LinkSpec | None  # network=shaped: the run's own link
     eval_losses: list[tuple[int, float]]  # (step, eval loss)
+    overrides: list[str] = field(default_factory=list)  # its command line (.hydra/)
 
     def comm_s(self, p: int, link: LinkSpec) -> float:
         return (allreduce_s(self.allreduce_bytes, self.allreduce_calls, p, link)
@@ -151,7 +152,31 @@ def read_run(run_dir: Path) -> RunFacts:
                        + s.get("all_gather_bytes", [0])[0]) / steps,
         sharded_calls=(s.get("reduce_scatter_calls", [0])[0]
                        + s.get("all_gather_calls", [0])[0]) / steps,
-        train_s=float(s["train_s"]), own_link=own, eval_losses=_eval_losses(run_dir))
+        train_s=float(s["train_s"]), own_link=own, eval_losses=_eval_losses(run_dir),
+        overrides=_overrides(run_dir))
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    """The job's command-line overrides (Hydra's .hydra/overrides.yaml), if it kept them."""
+    import yaml
+
+    try:
+        got = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in got] if isinstance(got, list) else []
+
+
+def label(runs: Sequence[RunFacts]) -> None:
+    """A sweep's jobs named by what sets them apart: each job's overrides that not every job
+    shares (``0 +experiment/race=always``)."""
+    if len(runs) < 2:
+        return
+    common = set.intersection(*(set(r.overrides) for r in runs))
+    for run in runs:
+        own = [o for o in run.overrides if o not in common]
+        if own:
+            run.name = f"{run.name} {' '.join(own)}"
 
 
 def _eval_losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -245,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ProjectError(f"--ranks {args.ranks!r}: each at least 1")
         links = [LinkSpec.parse(t) for t in (args.link or ["10gbit,5us"])]
         runs = [read_run(d) for d in run_dirs(args.run_dir)]
+        label(runs)
     except ProjectError as e:
         print(f"gradsync-project: {e}", file=sys.stderr)
         sys.exit(2)
