@@ -326,7 +326,7 @@ class ShapedNetwork:
         # a bucket of at least one MTU and 1 ms at the rate; packets wait at most 50 ms
         burst = max(3200, int(rate_bits(rate) / 8 / 1000))
         delay = seconds(self.cfg.delay)
-        if delay > 0:  # netem shapes too (its rate), and delays
+        if delay > 0:  # netem shapes too (its rate), and delays (untested here: no netem)
             _run("tc", *where, "qdisc", "add", "dev", dev, "root", "netem", "delay",
                  f"{delay * 1e6:.0f}us", "rate", rate, "limit", "10000")
         else:
