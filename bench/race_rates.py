@@ -86,6 +86,7 @@ def main() -> None:
                if by_rate.get(r) is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(xs, rates)
     ax.set_xlabel("link rate (each direction of each rank's link)")
     ax.set_ylabel(f"training seconds to eval loss {target:.3f}")
