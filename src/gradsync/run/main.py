@@ -136,11 +136,12 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         tr = plain["trainer"]
         placement = place_job(tr["backend"], tr["devices"])
         network = network_config(plain.get("network"))
-        network.check_job(placement.world_size, placement.backend, placement.spawns)
+        said = None
         if network.shaped:  # the gradients cross the links, as every other collective
             plain["engine"], said = process_group_engine(plain["engine"])
-            if said and is_rank0():
-                print(f"gradsync: {said}", file=sys.stderr, flush=True)
+        network.check_job(placement.world_size, placement.backend, placement.spawns)
+        if said and is_rank0():
+            print(f"gradsync: {said}", file=sys.stderr, flush=True)
         cfg = preflight(plain, placement)
         if placement.backend == "nccl":
             check_cuda(placement, cfg.precision.name)
