@@ -11,7 +11,7 @@ TEST_JOBS ?= 2
 STARTUP_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast lint sweep race bench bench-gpt gpu-check gpu-check-dry \
+.PHONY: help install train test test-fast lint sweep race network-check bench bench-gpt gpu-check gpu-check-dry \
 	gpu-wheels compat clean distclean
 
 help: ## list the targets
@@ -58,6 +58,9 @@ NANOGPT ?=
 BENCH_GPT_ARGS ?=
 bench-gpt: install ## nanoGPT's GPT: gradsync vs a nanoGPT-style loop, tokens/s (~5 min); NANOGPT=<clone of karpathy/nanoGPT>
 	$(BIN)/python bench/gpt.py --nanogpt "$(NANOGPT)" $(BENCH_GPT_ARGS)
+
+network-check: install ## the projection against ranks over shaped links (root): docs/slow-network.md
+	$(BIN)/python bench/slow_network.py $(ARGS)
 
 race: install ## which policy wins: 7 sync policies on the stdlib corpus (experiment=policy_race)
 	$(BIN)/gradsync-train -m experiment=policy_race $(ARGS)

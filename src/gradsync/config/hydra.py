@@ -52,6 +52,7 @@ class Config:
     seed: int = 0
     resume: str = "none"  # none | auto | a checkpoint file or run dir
     logger: Any = None  # experiment trackers by name (conf/logger/; train/trackers.py)
+    network: Any = None  # where the ranks talk (conf/network/; its schema: run/network.py)
 
 
 # hydra/sweeper=optuna's class (a search: run/search.py); Hydra takes sweepers from

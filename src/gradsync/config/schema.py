@@ -447,4 +447,6 @@ SCHEMA_GROUPS: dict[str, dict[str, type]] = {
     "loss": {"default": LossConfig},
     "lr_scaling": {name: LRScalingConfig for name in LR_SCALINGS},
 }
-TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "engine", "seed", "resume", "logger")  # its keys
+# network: the launcher's (run/network.py), outside RunConfig: where the ranks talk, not what
+# they compute (the same bits on any network). The config's top-level keys:
+TOP_KEYS = (*COMPONENTS, *SCHEMA_GROUPS, "engine", "seed", "resume", "logger", "network")

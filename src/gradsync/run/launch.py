@@ -50,6 +50,7 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
+from gradsync.run.network import Link, NetworkConfig, ShapedNetwork, inside, local_section
 from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.run.worker import worker_main
@@ -135,19 +136,42 @@ def _standard_start_method() -> None:
 
 
 def launch(cfg: RunConfig, placement: Placement, run_dir: Path,
-           lock: int | None = None) -> tuple[int, dict[str, Any]]:
+           lock: int | None = None,
+           network: NetworkConfig | None = None) -> tuple[int, dict[str, Any]]:
     """Train; returns the signal this launcher received that stopped the job (0: none), which
     the workers, who got it forwarded as SIGTERM, cannot know, and the run's summary (rank 0's;
     {} on the other env:// ranks). lock: the descriptor of the run dir's lock this process
-    holds, which every rank it starts holds too."""
+    holds, which every rank it starts holds too. network=shaped: the ranks on links of their
+    own (run/network.py), made here and removed when this returns or raises."""
     if not placement.spawns:  # this process is one rank
         try:
             summary = worker_main(placement, cfg, str(run_dir), store_port=None)
         except Exception as e:  # the traceback is in logs/rank<r>.log
             raise WorkerFailed(placement.rank, _last_line(f"{type(e).__name__}: {e}")) from None
         return 0, summary if placement.rank == 0 else {}
+    network = network or NetworkConfig()
+    if not network.shaped:
+        signum, summary = _launch(cfg, placement, run_dir, lock, None)
+        if summary:
+            summary["network"] = local_section(network)
+        return signum, summary
+    with ShapedNetwork(network, placement.world_size) as net:
+        signum, summary = _launch(cfg, placement, run_dir, lock, net)
+        if summary:  # the links' counters, read before the links go
+            summary["network"] = net.section(summary)
+    return signum, summary
+
+
+def _launch(cfg: RunConfig, placement: Placement, run_dir: Path, lock: int | None,
+            net: ShapedNetwork | None) -> tuple[int, dict[str, Any]]:
     world = placement.world_size
-    store = loopback_store(world, timedelta(seconds=cfg.trainer.timeout_s))
+    timeout = timedelta(seconds=cfg.trainer.timeout_s)
+    if net is None:
+        store, host = loopback_store(world, timeout), "127.0.0.1"
+    else:  # in rank 0's namespace, at its address: the rendezvous crosses the links
+        rank0 = net.links[0]
+        store = inside(rank0.netns, lambda: loopback_store(world, timeout, rank0.address))
+        host = rank0.address
     _standard_start_method()
     watch = Watch(cfg.trainer.timeout_s)
     watching = threading.current_thread() is threading.main_thread()  # signals: main only
@@ -159,7 +183,8 @@ def launch(cfg: RunConfig, placement: Placement, run_dir: Path,
         if watching:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            watch.start(placement, cfg, run_dir, store.port, lock)
+            watch.start(placement, cfg, run_dir, (host, store.port), lock,
+                        net.links if net is not None else None)
         finally:
             if watching:
                 signal.signal(signal.SIGINT, watch.on_signal)
@@ -172,15 +197,16 @@ def launch(cfg: RunConfig, placement: Placement, run_dir: Path,
     return watch.signum, watch.summary
 
 
-def loopback_store(world: int, timeout: timedelta) -> dist.TCPStore:
-    """The job's TCPStore on a free port of 127.0.0.1 only: a TCPStore server asked for
-    "127.0.0.1" listens on every interface; one handed a socket bound here listens on it. The
-    store only serves the rendezvous; what a rank reports goes through its own pipe."""
+def loopback_store(world: int, timeout: timedelta, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The job's TCPStore on a free port of 127.0.0.1 only (network=shaped: of rank 0's
+    address, in its namespace): a TCPStore server asked for "127.0.0.1" listens on every
+    interface; one handed a socket bound here listens on it. The store only serves the
+    rendezvous; what a rank reports goes through its own pipe."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         sock.listen(128)
-        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True,
+        store = dist.TCPStore(host, sock.getsockname()[1], world, is_master=True,
                               wait_for_workers=False, timeout=timeout,
                               master_listen_fd=sock.fileno(), use_libuv=True)
     except BaseException:
@@ -236,18 +262,22 @@ def _adopt(passed: Any) -> Inherited:
     return Inherited(None if passed is None else passed.detach())
 
 
-def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, port: int,
-               report: Any, summary_to: Any, lock: Inherited) -> None:
+def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, store_at: tuple[str, int],
+               report: Any, summary_to: Any, lock: Inherited, link: Link | None) -> None:
     """A spawned (or forked, start_method) rank. It dies with its launcher (core/lifeline.py: a
     spawned one bound itself when it first imported gradsync, a forked one does here, first),
     and holds the run dir's `lock` until it ends. Its first error goes to the launcher through
     `report`, and it exits with code 1 (the traceback is in logs/rank<r>.log); rank 0 sends the
-    run's summary through `summary_to`."""
+    run's summary through `summary_to`. network=shaped: it enters its namespace (`link`) first,
+    and meets the others at the store in rank 0's (`store_at`)."""
     bind_from_environment()
     _as_if_spawned()
     report_to(report)
     try:
-        summary = worker_main(placement, cfg, run_dir, store_port=port)
+        if link is not None:
+            link.enter()
+        summary = worker_main(placement, cfg, run_dir, store_port=store_at[1],
+                              store_host=store_at[0])
     except BaseException as e:  # whatever it was, reported with its message (faults.py)
         report_failure(e)  # if worker_main could not (an error before its own handler)
         exit_now(1)  # with the error's frames alive: nothing of the failed training is freed
@@ -284,8 +314,9 @@ class Watch:
         self.summary: dict[str, Any] = {}  # rank 0's, once it sent it
         self.summary_from: Any = None  # the launcher's end of rank 0's summary pipe
 
-    def start(self, placement: Placement, cfg: RunConfig, run_dir: Path, port: int,
-              lock: int | None = None) -> None:
+    def start(self, placement: Placement, cfg: RunConfig, run_dir: Path,
+              store_at: tuple[str, int], lock: int | None = None,
+              links: list[Link] | None = None) -> None:
         """Start the ranks (start_method), each with a pipe to report its error on (text, never
         pickled: no error file in a shared temporary dir), rank 0 with one more for the run's
         summary (JSON); each with this launcher's pid in its environment (core/lifeline.py) and the
@@ -300,8 +331,8 @@ class Watch:
                 if rank == 0:
                     self.summary_from, summary_to = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_rank_main, args=(
-                    placement.for_rank(rank), cfg, str(run_dir), port, writer, summary_to,
-                    Inherited(lock)))
+                    placement.for_rank(rank), cfg, str(run_dir), store_at, writer, summary_to,
+                    Inherited(lock), links[rank] if links else None))
                 self.procs.append(proc)
                 try:
                     with worker_environment(cfg.trainer.bits):  # portable bits: the pins

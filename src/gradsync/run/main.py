@@ -53,6 +53,12 @@ from gradsync.run.launch import (
     launch,
     rank0_now,
 )
+from gradsync.run.network import (
+    NetworkConfig,
+    NetworkError,
+    network_config,
+    process_group_engine,
+)
 from gradsync.run.placement import Placement, check_cuda, env_launched, place_job
 from gradsync.run.preflight import preflight
 from gradsync.run.rundir import Claim, RunDirBusy, remove_if_unused, staging_name
@@ -86,6 +92,8 @@ def register_schemas() -> None:
     register_configs()
     for name, schema in engine_schemas().items():
         ConfigStore.instance().store(group="schema/engine", name=name, node=schema)
+    for name in ("local", "shaped"):  # the launcher's own settings (run/network.py)
+        ConfigStore.instance().store(group="schema/network", name=name, node=NetworkConfig)
 
 
 def compose_plain(overrides: list[str]) -> dict[str, Any]:
@@ -127,6 +135,13 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         plain = to_plain(composed)
         tr = plain["trainer"]
         placement = place_job(tr["backend"], tr["devices"])
+        network = network_config(plain.get("network"))
+        said = None
+        if network.shaped:  # the gradients cross the links, as every other collective
+            plain["engine"], said = process_group_engine(plain["engine"])
+        network.check_job(placement.world_size, placement.backend, placement.spawns)
+        if said and is_rank0():
+            print(f"gradsync: {said}", file=sys.stderr, flush=True)
         cfg = preflight(plain, placement)
         if placement.backend == "nccl":
             check_cuda(placement, cfg.precision.name)
@@ -144,7 +159,7 @@ def _start(composed: DictConfig, mode: RunMode | None, run_dir: Path, claim: Cla
         return _refuse(mode, run_dir, claim, "resume refused", str(e))
     claim.accept()
     try:
-        return _train(cfg, placement, mode, run_dir, claim.fd)
+        return _train(cfg, placement, mode, run_dir, claim.fd, network)
     except Exception as e:  # a full disk, say: reported as what it is, not as a config error
         if _traceback_wanted():
             raise
@@ -174,16 +189,18 @@ def _traceback_wanted() -> bool:
 
 
 def _train(cfg: RunConfig, placement: Placement, mode: RunMode | None, run_dir: Path,
-           lock: int | None) -> dict:
+           lock: int | None, network: NetworkConfig | None = None) -> dict:
     if is_rank0():
         _write_run_info(cfg, placement, run_dir)
     started = time.perf_counter()
     try:  # the ranks this process starts hold the run dir's lock too
         try:
-            signum, summary = launch(cfg, placement, run_dir, lock)
+            signum, summary = launch(cfg, placement, run_dir, lock, network)
         finally:  # what every rank recorded, a failed run's too (engines/trace.py)
             if (run_dir / TRACE_DIR).is_dir() and is_rank0():
                 _merge_trace(run_dir)
+    except NetworkError as e:  # the links could not be made (what was made is gone)
+        return _fail(mode, run_dir, "network refused", str(e), 2)
     except WorkerFailed as e:  # under torchrun this process is the rank that failed: its
         # training (kept alive by the error's context) must not be freed (faults.exit_now)
         return _fail(mode, run_dir, "training failed", str(e), 1, hard=not placement.spawns)

@@ -245,14 +245,15 @@ def agreed_resume(resume: str, world_size: int, group: Any) -> Path | None:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: int,
-                       store_port: int | None) -> dist.Store | None:
+                       store_port: int | None,
+                       store_host: str = "127.0.0.1") -> dist.Store | None:
     """Join the job's group: through the launcher's TCPStore (spawned workers; returned), or
     through torchrun's env:// variables (store_port None)."""
     timeout = timedelta(seconds=timeout_s)
     if store_port is None:
         dist.init_process_group(backend, timeout=timeout)
         return None
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     return store
@@ -270,7 +271,7 @@ def _check_own_gpu(device: torch.device, timeout_s: int) -> None:
 
 
 def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
-                store_port: int | None) -> dict[str, Any]:
+                store_port: int | None, store_host: str = "127.0.0.1") -> dict[str, Any]:
     """Entry point of one rank (started by the launcher, or the torchrun process itself);
     returns the run's summary."""
     # SIGTERM/SIGINT (and SLURM's SIGUSR1/2): finish the step, checkpoint, stop (faults.py)
@@ -295,7 +296,8 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
     if device.type == "cuda":
         prepare_cuda_determinism(tr.deterministic)  # before the first CUDA call
         torch.cuda.set_device(device)  # this rank's context, on its own GPU only
-    init_process_group(placement.backend, rank, world_size, tr.timeout_s, store_port)
+    init_process_group(placement.backend, rank, world_size, tr.timeout_s, store_port,
+                       store_host)
     log.info("rank %d/%d up: backend=%s device=%s threads=%d pid=%d", rank, world_size,
              placement.backend, device, threads, os.getpid())
     try:

@@ -190,12 +190,14 @@ def train(p: Parts, state: Progress, log: RunLog) -> Progress:
                 p.engine, p.optimizer, p.policy, p.normalizer, precision=p.precision,
                 clip_grad_norm=tr.clip_grad_norm, lr_scheduler=p.lr_scheduler,
                 want_norm=log_now)
-            state.train_s += time.perf_counter() - t0
             state.advance(window, stepped)
             finished = state.finished(tr)
             if stepped:
                 p.schedule.after_step(state.step, p.noise)  # 4
             drift = average(averager, model, state.windows, finished)  # 5
+            # training seconds: the window, the step and the averaging (local SGD's, DiLoCo's
+            # rounds are what those policies pay instead of syncs: over a slow link, seconds)
+            state.train_s += time.perf_counter() - t0
             rows.add(state, window, epoch, lr, stepped, loss, lr_factor, drift)
             if log_now:
                 rows.flush(state, norm)  # 6

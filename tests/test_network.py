@@ -1,0 +1,285 @@
+"""network=shaped (run/network.py): ranks in network namespaces of their own over tc-shaped veth
+links, and gradsync-project (run/project.py). The jobs need root, ip and tc (the project's
+machines and CI have them); elsewhere they are skipped with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_jobs import Job
+from gradsync.config.validate import ConfigError
+from gradsync.run import network, project
+from gradsync.run.network import NetworkConfig, network_config, rate_bits, run_names, seconds
+
+ROOT_IP_TC = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+needs_root = pytest.mark.skipif(not ROOT_IP_TC, reason="network=shaped needs root, ip and tc")
+TINY = ["trainer.devices=2", "trainer.max_steps=4", "trainer.checkpoint_every_steps=0",
+        "logger=csv"]
+
+
+def traces(pid: int) -> list[str]:
+    """What a shaped run of launcher `pid` left: its namespaces and links (ip netns, ip link)."""
+    netns, links = run_names()
+    return [n for n in netns + links if n.startswith(f"gs{pid}") and n[len(f"gs{pid}")] in "brhn"]
+
+
+def test_rates_and_times_read_as_tc_writes_them():
+    assert rate_bits("100mbit") == 100e6
+    assert rate_bits("1gbit") == 1e9 and rate_bits("2.5kbit") == 2500
+    assert rate_bits("10mbps") == 80e6  # tc's bps: bytes per second
+    for bad in ("fast", "100", "-1mbit", "0mbit", "1 gb"):
+        with pytest.raises(ValueError):
+            rate_bits(bad)
+    assert seconds("5us") == pytest.approx(5e-6) and seconds("2ms") == pytest.approx(2e-3)
+    assert seconds("0") == 0 and seconds("1.5s") == 1.5
+
+
+@pytest.mark.parametrize("node,expected", [
+    ({"name": "shaped", "rate": "fast"}, "network.rate='fast': a tc rate"),
+    ({"name": "shaped", "rate": "1kbit"}, "at least 8kbit"),
+    ({"name": "shaped", "delay": "soon"}, "network.delay='soon': a time"),
+    ({"name": "wifi"}, "network.name='wifi' is not allowed"),
+    ({"name": "shaped", "mtu": 9000}, "network.mtu"),
+])
+def test_bad_settings_are_one_line(node, expected):
+    with pytest.raises(ConfigError, match=None) as e:
+        network_config(node)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_delay_without_netem_names_the_projection(monkeypatch):
+    monkeypatch.setattr(network, "netem_available", lambda: False)
+    with pytest.raises(ConfigError, match="no netem.*gradsync-project"):
+        network_config({"name": "shaped", "delay": "5ms"})
+    assert network_config({"name": "shaped", "delay": "0ms"}).shaped
+
+
+@pytest.mark.parametrize("world,backend,spawns,expected", [
+    (1, "gloo", True, "trainer.devices=1 is not allowed: 2 to 16 ranks"),
+    (17, "gloo", True, "trainer.devices=17"),
+    (2, "nccl", True, "CPU ranks on gloo only"),
+    (2, "gloo", False, "started by gradsync-train itself"),
+])
+def test_a_job_the_links_cannot_carry_is_refused(world, backend, spawns, expected):
+    with pytest.raises(ConfigError) as e:
+        NetworkConfig("shaped").check_job(world, backend, spawns)
+    assert expected in str(e.value)
+    NetworkConfig("local").check_job(world, backend, spawns)  # local: anything goes
+
+
+def test_shared_memory_is_refused_and_auto_goes_over_the_process_group():
+    engine, said = network.process_group_engine({"name": "torch_ddp", "allreduce": "auto"})
+    assert engine["allreduce"] == "process_group" and "process_group" in said
+    assert network.process_group_engine({"name": "fsdp"}) == ({"name": "fsdp"}, None)
+    with pytest.raises(ConfigError, match="bypass the links"):
+        network.process_group_engine({"name": "gradsync", "allreduce": "shared_memory"})
+
+
+def entry_point_refusal(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
+    """gradsync-train in this process: exit 2, one line, no run dir, nothing of the network."""
+    from gradsync.run import main as entry
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(key)
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert not run_dir.exists()
+    if ROOT_IP_TC:
+        assert traces(os.getpid()) == []
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["network=shaped", "network.rate=fast"], "network.rate='fast'"),
+    (["network=shaped", "trainer.devices=1"], "trainer.devices=1 is not allowed"),
+    (["network=shaped", "engine.allreduce=shared_memory"], "bypass the links"),
+    (["network=shaped", "network.delay=nonsense"], "network.delay='nonsense'"),
+])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(argv, expected, tmp_path, monkeypatch,
+                                                         capsys):
+    assert expected in entry_point_refusal(argv, tmp_path, monkeypatch, capsys)
+
+
+def test_without_root_one_line_says_what_is_needed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    line = entry_point_refusal(["network=shaped"], tmp_path, monkeypatch, capsys)
+    assert "network=shaped needs root" in line
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in
+            (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_killed_launchers_links_go_at_the_next_start_which_trains_the_same_bits(tmp_path,
+                                                                                  cli_env):
+    """kill -9 of a shaped run's launcher leaves its namespaces and links (nothing runs to
+    remove them); the next shaped start removes them, and trains exactly as network=local with
+    the process group's all-reduce, its links carrying at least the engine's bytes."""
+    dead = Job(tmp_path / "dead", ["network=shaped", "network.rate=20mbit", "sync=always",
+                                   "trainer.devices=2", "trainer.max_steps=1000",
+                                   "trainer.checkpoint_every_steps=0", "logger=csv"], cli_env)
+    dead.wait_for_step(1)
+    assert len(traces(dead.proc.pid)) == 1 + 2 + 2  # the bridge; per rank a netns, a host end
+    os.kill(dead.proc.pid, signal.SIGKILL)  # the launcher only: its ranks die with it
+    assert dead.finish()[0] == -signal.SIGKILL
+    assert dead.survivors() == []
+    assert traces(dead.proc.pid)  # left behind
+
+    shaped = Job(tmp_path / "shaped", ["network=shaped", "network.rate=1gbit", "sync=always",
+                                       *TINY], cli_env)
+    code, _, err = shaped.finish()
+    assert code == 0, err
+    assert "engine.allreduce=process_group" in err
+    assert traces(dead.proc.pid) == [] and traces(shaped.proc.pid) == []
+    local = Job(tmp_path / "local", ["engine.allreduce=process_group", "sync=always", *TINY],
+                cli_env)
+    assert local.finish()[0] == 0
+    s, ref = (json.loads((d / "summary.json").read_text()) for d in (tmp_path / "shaped",
+                                                                     tmp_path / "local"))
+    assert _losses(tmp_path / "shaped") == _losses(tmp_path / "local")
+    assert s["eval"] == ref["eval"] and s["final_train_loss"] == ref["final_train_loss"]
+    assert s["allreduce"] == "process_group" and ref["network"] == {"name": "local"}
+    net = s["network"]
+    assert net["name"] == "shaped" and net["rate_bits_per_s"] == 1e9
+    engine = s["allreduce_bytes"]
+    assert net["engine_bytes"] == engine and min(engine) > 1e6
+    assert net["ring_bytes"] == engine  # 2 ranks: a ring sends the buffer once
+    for r in range(2):  # at least what the engine sent, and not much more than it (headers)
+        assert engine[r] <= net["link_sent_bytes"][r] <= 1.15 * engine[r]
+        assert engine[r] <= net["link_received_bytes"][r] <= 1.15 * engine[r]
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_rate_limits_what_a_sync_costs(tmp_path, cli_env):
+    """At 20mbit the 4 steps' 1.7 MB of all-reduces per rank (sync=accumulate, N=4) take about
+    0.7 s over the link; at 1gbit they would take 14 ms: the shaped run's training seconds
+    show it, as the projection of the same run does."""
+    job = Job(tmp_path / "slow", ["network=shaped", "network.rate=20mbit", *TINY], cli_env)
+    code, _, err = job.finish()
+    assert code == 0, err
+    s = json.loads((tmp_path / "slow" / "summary.json").read_text())
+    wire_s = s["allreduce_bytes"][0] * 8 / 20e6  # 2 ranks: each sends the buffer once
+    assert s["train_s"] >= 0.9 * wire_s
+    assert not traces(job.proc.pid)
+
+
+# --- the projection -----------------------------------------------------------------------
+
+def _summary(tmp: Path, name: str, **over) -> Path:
+    s = {"status": "completed", "optimizer_steps": 10, "windows": 10, "window_size": 4,
+         "world_size": 2, "sync_policy": "always", "engine": {"name": "torch_ddp"},
+         "allreduce_bytes": [10 * 4 * 1_000_000] * 2, "allreduce_calls": [10 * 4 * 2] * 2,
+         "train_s": 2.0, "network": {"name": "local"}} | over
+    run = tmp / name
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+def test_the_projection_is_the_ring_formulas(tmp_path):
+    """always, N=4, 1 MB in 2 buckets per micro-batch, 2.0 s for 10 steps on a local run."""
+    run = project.read_run(_summary(tmp_path, "0"))
+    link = project.LinkSpec.parse("10gbit,5us")
+    assert (link.bits_per_s, link.latency_s) == (1e10, pytest.approx(5e-6))
+    assert run.compute_per_micro_s == pytest.approx(0.2 / 4)
+    p, b, L = 64, 1.25e9, 5e-6
+    f = 1 + 1.5 * 66 / 1448  # the headers of a full TCP segment, half as many ACKs
+    comm = 2 * (p - 1) / p * 4e6 * f / b + 8 * 2 * (p - 1) * L
+    assert run.comm_s(p, link) == pytest.approx(comm)
+    assert run.step_s(p, link) == pytest.approx(0.2 + comm)
+    assert run.step_s(1, link) == pytest.approx(0.2)
+
+
+def test_a_shaped_runs_own_link_is_taken_out_of_its_compute(tmp_path):
+    shaped = _summary(tmp_path, "s", network={"name": "shaped", "rate": "100mbit",
+                                               "rate_bits_per_s": 1e8, "delay": "0ms"},
+                    train_s=5.0)
+    run = project.read_run(shaped)
+    own = 2 * 1 / 2 * 4e6 * (1 + 99 / 1448) / 12.5e6  # 2 ranks: the buffer once per step
+    assert run.compute_per_micro_s == pytest.approx((0.5 - own) / 4)
+
+
+def test_sharded_collectives_are_half_rings(tmp_path):
+    run = project.read_run(_summary(tmp_path, "f", allreduce_bytes=[0, 0], allreduce_calls=[0, 0],
+                                    reduce_scatter_bytes=[10 * 3e6] * 2,
+                                    all_gather_bytes=[10 * 3e6] * 2,
+                                    reduce_scatter_calls=[10] * 2, all_gather_calls=[10] * 2))
+    link = project.LinkSpec.parse("1gbit,1ms")
+    p = 8
+    assert run.comm_s(p, link) == pytest.approx(7 / 8 * 6e6 * (1 + 99 / 1448) / 1.25e8
+                                                + 2 * 7 * 1e-3)
+
+
+def test_a_sweep_gets_a_row_per_job_and_the_fastest_marked(tmp_path, capsys):
+    _summary(tmp_path, "0")
+    _summary(tmp_path, "1", sync_policy="accumulate", allreduce_bytes=[10 * 1_000_000] * 2,
+             allreduce_calls=[20] * 2)
+    project.main([str(tmp_path), "--ranks", "2,64", "--link", "100mbit,50us"])
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "projection.json").read_text())["rows"]
+    assert [(r["run"], r["ranks"]) for r in rows] == [("0", 2), ("1", 2), ("0", 64), ("1", 64)]
+    assert all(r.get("fastest") == (r["run"] == "1") for r in rows)
+    assert "1 * | accumulate | 100mbit,50us | 64" in out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--ranks", "8,x"], "--ranks '8,x'"),
+    (["--link", "fast"], "--link 'fast'"),
+])
+def test_projection_bad_input_is_one_line_exit_2(argv, expected, tmp_path, capsys):
+    run = _summary(tmp_path, "0")
+    with pytest.raises(SystemExit) as e:
+        project.main([str(run), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
+    with pytest.raises(SystemExit):
+        project.main([str(tmp_path / "nothing")])
+    assert "neither a run dir nor a sweep dir" in capsys.readouterr().err
+
+
+
+def test_time_to_target_is_the_runs_steps_to_it_at_the_projected_step(tmp_path):
+    fast = _summary(tmp_path, "0")
+    (fast / "evals.jsonl").write_text("".join(json.dumps({"step": s, "loss": loss}) + "\n"
+                                              for s, loss in ((5, 2.0), (10, 1.0))))
+    slow = _summary(tmp_path, "1", sync_policy="accumulate", allreduce_bytes=[10 * 1e6] * 2,
+                    allreduce_calls=[20] * 2)
+    (slow / "evals.jsonl").write_text(json.dumps({"step": 10, "loss": 1.5}) + "\n")
+    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
+    link = project.LinkSpec.parse("100mbit")
+    rows = project.project(runs, [64], [link], target=1.5)
+    assert rows[0]["time_to_target_s"] == pytest.approx(10 * runs[0].step_s(64, link))
+    assert rows[1]["time_to_target_s"] == pytest.approx(10 * runs[1].step_s(64, link))
+    assert [r["fastest"] for r in rows] == [False, True]  # the same steps, a cheaper step
+    assert project.project(runs, [64], [link], target=0.5)[0]["time_to_target_s"] is None
+
+
+def test_a_sweeps_jobs_are_named_by_what_sets_them_apart(tmp_path):
+    for job, race in (("0", "always"), ("1", "local_sgd_h8")):
+        hydra = _summary(tmp_path, job) / ".hydra"
+        hydra.mkdir()
+        (hydra / "overrides.yaml").write_text(
+            f"- experiment=policy_race\n- +experiment/race={race}\n- network=shaped\n")
+    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
+    project.label(runs)
+    assert [r.name for r in runs] == ["0 +experiment/race=always",
+                                      "1 +experiment/race=local_sgd_h8"]
