@@ -314,9 +314,10 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
 
 # Whatever a checkpoint's state depends on: only trainer.* (more steps or epochs, cadences,
 # threads...), engine.* (the engine, within its kind: refuse_incompatible), compile.*,
-# noise_scale.* (once all trainer.*) and logger.* (the trackers) may change, and the world size
+# noise_scale.* (once all trainer.*), logger.* (the trackers) and network.* (the links the ranks
+# talk over: the same bits on any) may change, and the world size
 # may not (each rank's data share and RNG stream).
-MAY_CHANGE = ("trainer.", "engine.", "compile.", "noise_scale.", "resume", "logger.")
+MAY_CHANGE = ("trainer.", "engine.", "compile.", "noise_scale.", "resume", "logger.", "network.")
 
 
 def refuse_incompatible(path: Path, meta: dict[str, Any], cfg: dict[str, Any],

@@ -51,9 +51,9 @@ def set_deterministic(setting: bool | None, device_type: str) -> bool:
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
-    """sha256 of the resolved config, `resume` and `logger` left out (where a run continues
-    from and what it logs to are not what it is)."""
-    body = {k: v for k, v in cfg.items() if k not in ("resume", "logger")}
+    """sha256 of the resolved config, `resume`, `logger` and `network` left out (where a run
+    continues from, what it logs to and which links its ranks talk over are not what it is)."""
+    body = {k: v for k, v in cfg.items() if k not in ("resume", "logger", "network")}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
