@@ -808,7 +808,19 @@ def matrix_cases() -> list[tuple[str, str, list[str]]]:
     rows = [(c.label, c.overrides) for c in POLICIES
             if not any(o.startswith("engine=") for o in c.overrides)] + MATRIX_EXTRA
     return [(e, label, ["engine=" + e, *ENGINE_ARGS.get(e, []), *overrides])
-            for e in ENGINES for label, overrides in rows]
+            for e in ENGINES for label, overrides in rows if has_settings(e, overrides)]
+
+
+def has_settings(engine: str, overrides: list[str]) -> bool:
+    """Whether `engine` has every ``engine.<key>`` the overrides set: each engine owns its
+    settings (gradient_as_bucket_view is DDP's), another engine's is an unknown key."""
+    from dataclasses import fields
+
+    from gradsync.engines import ENGINES as REGISTERED
+
+    keys = {f.name for f in fields(REGISTERED[engine].settings)}
+    return all(o.partition("=")[0].removeprefix("engine.") in keys
+               for o in overrides if o.startswith("engine."))
 
 
 def matrix_placement(rank: int, gpus: int, dry: bool) -> tuple[str, Any]:
