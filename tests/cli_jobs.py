@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 MAIN = ("-m", "gradsync.run.main")
 STARTED: list[Job] = []
@@ -128,3 +129,25 @@ def fake_scontrol(tmp: Path, code: int = 0) -> tuple[Path, Path]:
     script.write_text(f'#!/bin/sh\necho "$@" >> {record}\nexit {code}\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return bin_dir, record
+
+
+def entry_point_error(argv: list[str], cwd: Path, tmp_path: Path, monkeypatch, capsys) -> str:
+    """gradsync-train's one line for a command line Hydra cannot compose, run in this process
+    (nothing is started): exit code 2, one line, no run dir."""
+    from gradsync.run import main as entry
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # as the entry point does for the directory it runs in
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # the entry point sets it: restored afterwards
+    for key in list(os.environ):  # not a rank of anything (the suite may run inside a SLURM job)
+        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(key)
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert not run_dir.exists()
+    return lines[0].removeprefix("gradsync: config error: ")

@@ -3,7 +3,6 @@ input fails with one line, exit code 2, no worker and no run dir."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 import yaml
 from torch.utils.data import default_collate
 
+from cli_jobs import entry_point_error
 from gradsync.components import build, locate, parameters
 from gradsync.config.renames import RENAMED
 from gradsync.config.schema import RunConfig
@@ -356,28 +356,6 @@ def test_optimizer_fused_builds_torchs_fused_kernel_with_sgds_same_bits(opt):
 # --- errors name the component actually composed (issue 21) ---------------------------------
 EXAMPLE = Path(CONF_DIR).parent / "examples" / "cnn_digits"
 TESTS = Path(__file__).parent
-
-
-def entry_point_error(argv: list[str], cwd: Path, tmp_path: Path, monkeypatch, capsys) -> str:
-    """gradsync-train's one line for a command line Hydra cannot compose, run in this process
-    (nothing is started): exit code 2, one line, no run dir."""
-    from gradsync.run import main as entry
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.syspath_prepend(str(cwd))  # as the entry point does for the directory it runs in
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # the entry point sets it: restored afterwards
-    for key in list(os.environ):  # not a rank of anything (the suite may run inside a SLURM job)
-        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            monkeypatch.delenv(key)
-    run_dir = tmp_path / "run"
-    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
-    with pytest.raises(SystemExit) as exit_:
-        entry.main()
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert not run_dir.exists()
-    return lines[0].removeprefix("gradsync: config error: ")
 
 
 CNN_KEYS = "model.chanels: unknown key for digits_cnn.model.SmallCNN; accepted keys: channels"

@@ -8,12 +8,11 @@ import json
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_jobs import Job
+from cli_jobs import Job, entry_point_error
 from gradsync.config.validate import ConfigError
 from gradsync.run import network, project
 from gradsync.run.network import NetworkConfig, network_config, rate_bits, run_names, seconds
@@ -84,23 +83,10 @@ def test_shared_memory_is_refused_and_auto_goes_over_the_process_group():
 
 def entry_point_refusal(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
     """gradsync-train in this process: exit 2, one line, no run dir, nothing of the network."""
-    from gradsync.run import main as entry
-
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    for key in list(os.environ):
-        if key.startswith("SLURM_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            monkeypatch.delenv(key)
-    run_dir = tmp_path / "run"
-    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, f"hydra.run.dir={run_dir}"])
-    with pytest.raises(SystemExit) as exit_:
-        entry.main()
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert not run_dir.exists()
+    line = entry_point_error(argv, Path.cwd(), tmp_path, monkeypatch, capsys)
     if ROOT_IP_TC:
         assert traces(os.getpid()) == []
-    return lines[0]
+    return line
 
 
 @pytest.mark.parametrize("argv,expected", [
