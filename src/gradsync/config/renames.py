@@ -75,12 +75,19 @@ def refuse_renamed_overrides(overrides: Iterable[str]) -> None:
 def refuse_renamed_keys(plain: dict[str, Any]) -> None:
     """ConfigError for the first old name in a composed config (plain data)."""
     for old in RENAMED:
-        *parents, last = old.split(".")
-        node: Any = plain
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
+        node, last = _holder(plain, old)
+        if node is not None and last in node:
             raise ConfigError(renamed_line(old, RENAMED[old]))
+
+
+def _holder(plain: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The mapping a dotted key's last part would sit in (None where a parent is missing or
+    not a mapping), and that last part."""
+    *parents, last = key.split(".")
+    node: Any = plain
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), last
 
 
 def upgrade_renamed_keys(plain: dict[str, Any]) -> dict[str, Any]:
@@ -89,11 +96,8 @@ def upgrade_renamed_keys(plain: dict[str, Any]) -> dict[str, Any]:
     rest as it was. The same run then compares equal to a config composed today."""
     out = copy.deepcopy(plain)
     for old, new in MOVED.items():
-        *parents, last = old.split(".")
-        node: Any = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not (isinstance(node, dict) and last in node):
+        node, last = _holder(out, old)
+        if node is None or last not in node:
             continue
         value = node.pop(last)
         *new_parents, new_last = new.split(".")
