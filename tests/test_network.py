@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,38 @@ def test_without_root_one_line_says_what_is_needed(tmp_path, monkeypatch, capsys
     assert "network=shaped needs root" in line
 
 
+def test_without_ip_or_tc_one_line_names_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(network.shutil, "which", lambda tool: None if tool == "tc" else tool)
+    line = entry_point_refusal(["network=shaped"], tmp_path, monkeypatch, capsys)
+    assert "network=shaped needs tc (iproute2) on PATH" in line
+
+
+@needs_root
+def test_a_name_in_use_ends_the_start_in_one_line_and_removes_what_it_made(tmp_path,
+                                                                           monkeypatch, capsys):
+    """Another tool's namespace under the name the run would give its rank 1 (the start
+    removes a dead launcher's names and its own pid's; here it is told not to): exit 2, one
+    line naming it, the bridge, rank 0's namespace and link removed, the other's kept."""
+    from gradsync.run import main as entry
+
+    theirs = f"gs{os.getpid()}r1"
+    monkeypatch.setattr(network, "remove_leftovers", lambda own_pid=None: [])
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", "network=shaped", *TINY,
+                                      f"hydra.run.dir={tmp_path / 'run'}"])
+    subprocess.run(["ip", "netns", "add", theirs], check=True)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            entry.main()
+        assert exit_.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        # the run's first line (which all-reduce it takes), then the refusal: one line
+        assert len(lines) == 2 and "engine.allreduce=process_group" in lines[0], lines
+        assert f"network refused: network=shaped: netns {theirs} already exists" in lines[1]
+        assert traces(os.getpid()) == [theirs]
+    finally:
+        subprocess.run(["ip", "netns", "delete", theirs], check=False)
+
+
 def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in
             (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -118,11 +152,17 @@ def test_a_killed_launchers_links_go_at_the_next_start_which_trains_the_same_bit
     """kill -9 of a shaped run's launcher leaves its namespaces and links (nothing runs to
     remove them); the next shaped start removes them, and trains exactly as network=local with
     the process group's all-reduce, its links carrying at least the engine's bytes."""
+    host_cc = network.TCP_CC.read_text().strip()
     dead = Job(tmp_path / "dead", ["network=shaped", "network.rate=20mbit", "sync=always",
                                    "trainer.devices=2", "trainer.max_steps=1000",
                                    "trainer.checkpoint_every_steps=0", "logger=csv"], cli_env)
     dead.wait_for_step(1)
     assert len(traces(dead.proc.pid)) == 1 + 2 + 2  # the bridge; per rank a netns, a host end
+    # TCP in the ranks' namespaces is reno (steady over tbf); the host's own stays as it was
+    cc = subprocess.run(["ip", "netns", "exec", f"gs{dead.proc.pid}r1", "cat",
+                         str(network.TCP_CC)], capture_output=True, text=True,
+                        check=True).stdout.strip()
+    assert cc == "reno" and network.TCP_CC.read_text().strip() == host_cc
     os.kill(dead.proc.pid, signal.SIGKILL)  # the launcher only: its ranks die with it
     assert dead.finish()[0] == -signal.SIGKILL
     assert dead.survivors() == []
@@ -147,6 +187,9 @@ def test_a_killed_launchers_links_go_at_the_next_start_which_trains_the_same_bit
     engine = s["allreduce_bytes"]
     assert net["engine_bytes"] == engine and min(engine) > 1e6
     assert net["ring_bytes"] == engine  # 2 ranks: a ring sends the buffer once
+    # the links' latency per hop, measured as the ranks joined: a 1-float all-reduce's time
+    # over its 2 hops (tens of microseconds to a few ms here: the kernel, gloo, a wake-up)
+    assert 1e-6 < net["hop_latency_s"] < 0.05
     for r in range(2):  # at least what the engine sent, and not much more than it (headers)
         assert engine[r] <= net["link_sent_bytes"][r] <= 1.15 * engine[r]
         assert engine[r] <= net["link_received_bytes"][r] <= 1.15 * engine[r]
@@ -173,7 +216,7 @@ def _summary(tmp: Path, name: str, **over) -> Path:
     s = {"status": "completed", "optimizer_steps": 10, "windows": 10, "window_size": 4,
          "world_size": 2, "sync_policy": "always", "engine": {"name": "torch_ddp"},
          "allreduce_bytes": [10 * 4 * 1_000_000] * 2, "allreduce_calls": [10 * 4 * 2] * 2,
-         "train_s": 2.0, "network": {"name": "local"}} | over
+         "train_s": 2.0, "micro_batch_size": 16, "network": {"name": "local"}} | over
     run = tmp / name
     run.mkdir()
     (run / "summary.json").write_text(json.dumps(s))
@@ -195,11 +238,15 @@ def test_the_projection_is_the_ring_formulas(tmp_path):
 
 
 def test_a_shaped_runs_own_link_is_taken_out_of_its_compute(tmp_path):
+    """Its rate's bytes and, per hop, the latency the run measured on its links as it began
+    (8 all-reduces of 2 hops a step)."""
     shaped = _summary(tmp_path, "s", network={"name": "shaped", "rate": "100mbit",
-                                               "rate_bits_per_s": 1e8, "delay": "0ms"},
+                                               "rate_bits_per_s": 1e8, "delay": "0ms",
+                                               "hop_latency_s": 2e-4},
                     train_s=5.0)
     run = project.read_run(shaped)
-    own = 2 * 1 / 2 * 4e6 * (1 + 99 / 1448) / 12.5e6  # 2 ranks: the buffer once per step
+    own = 2 * 1 / 2 * 4e6 * (1 + 99 / 1448) / 12.5e6 + 8 * 2 * 2e-4
+    assert run.own_link is not None and run.own_link.latency_s == 2e-4
     assert run.compute_per_micro_s == pytest.approx((0.5 - own) / 4)
 
 
@@ -222,6 +269,8 @@ def test_a_sweep_gets_a_row_per_job_and_the_fastest_marked(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "projection.json").read_text())["rows"]
     assert [(r["run"], r["ranks"]) for r in rows] == [("0", 2), ("1", 2), ("0", 64), ("1", 64)]
+    # samples/s: p ranks x 4 micro-batches of 16 samples per projected step
+    assert rows[2]["samples_per_s"] == pytest.approx(64 * 4 * 16 / rows[2]["step_s"])
     assert all(r.get("fastest") == (r["run"] == "1") for r in rows)
     assert "1 * | accumulate | 100mbit,50us | 64" in out
 

@@ -50,7 +50,8 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
-from gradsync.run.network import Link, NetworkConfig, ShapedNetwork, inside, local_section
+from gradsync.run.network import (Link, NetworkConfig, ShapedNetwork, hop_latency, inside,
+                                  local_section)
 from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.run.worker import worker_main
@@ -277,7 +278,8 @@ def _rank_main(placement: Placement, cfg: RunConfig, run_dir: str, store_at: tup
         if link is not None:
             link.enter()
         summary = worker_main(placement, cfg, run_dir, store_port=store_at[1],
-                              store_host=store_at[0])
+                              store_host=store_at[0],
+                              probe=hop_latency if link is not None else None)
     except BaseException as e:  # whatever it was, reported with its message (faults.py)
         report_failure(e)  # if worker_main could not (an error before its own handler)
         exit_now(1)  # with the error's frames alive: nothing of the failed training is freed

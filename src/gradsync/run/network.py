@@ -6,7 +6,8 @@ nothing outside the run reaches the ranks, and no route leads out), and per rank
 namespace (``gs<pid>r<rank>``) joined to the bridge by a veth pair (``gs<pid>h<rank>`` on the
 host's side, ``gs<pid>n<rank>`` inside), an address 10.a.b.<rank + 1>/24 (a and b from the pid),
 and ``tc``'s token bucket (tbf) on both ends of the pair: each direction of each rank's link is
-shaped to ``network.rate``. A rank enters its namespace as it starts (setns), gloo binds to the
+shaped to ``network.rate``, over a queue TCP does not overflow, and TCP in the namespaces is
+reno (steady over tbf). A rank enters its namespace as it starts (setns), gloo binds to the
 veth inside (GLOO_SOCKET_IFNAME) and the job's TCPStore listens in rank 0's namespace: the
 rendezvous and every collective cross the shaped links.
 
@@ -39,6 +40,7 @@ MAX_RANKS = 16
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
 SYS_NET = Path("/sys/class/net")
+TCP_CC = Path("/proc/sys/net/ipv4/tcp_congestion_control")  # the namespace's, read inside it
 # what the link carries beyond the engine's bytes: Ethernet (14 B, as the veth counts it), IPv4
 # (20 B) and TCP (20 B + 12 B of timestamps) headers per segment of at most 1448 B of payload
 # (MTU 1500); besides, the ACKs of the other direction, gloo's own framing and the rendezvous
@@ -193,6 +195,35 @@ class Link:
         os.environ["MASTER_ADDR"] = self.address
 
 
+PROBE_WARMUP, PROBE_CALLS = 3, 20
+# tbf's queue: deep enough that TCP loses nothing to it (a queue of 50 ms at the rate dropped a
+# sixth of a 20mbit run's segments, resent: the link carried them twice and the step took a
+# sixth longer than its bytes); a switch's buffer, not a wire's, at low rates
+QUEUE_BYTES = 8 << 20
+
+
+def hop_latency() -> dict[str, float]:
+    """The latency a ring all-reduce meets per hop on these links (every rank calls it as it
+    joins the group, before the engine: a collective): all-reduces of one float, timed after
+    a few to warm up; the median call over a ring's 2(p-1) hops. It holds what the rate does
+    not: the propagation delay, the kernel's and gloo's per-message work, a process waking."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    p = dist.get_world_size()
+    one = torch.zeros(1)
+    took = []
+    for i in range(PROBE_WARMUP + PROBE_CALLS):
+        start = time.perf_counter()
+        dist.all_reduce(one)
+        if i >= PROBE_WARMUP:
+            took.append(time.perf_counter() - start)
+    return {"hop_latency_s": statistics.median(took) / (2 * (p - 1))}
+
+
 def enter_netns(netns: str) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(NETNS_DIR / netns, os.O_RDONLY)
@@ -225,6 +256,14 @@ def inside(netns: str, fn: Callable[[], T]) -> T:
     if "error" in out:
         raise out["error"]
     return out["value"]  # type: ignore[no-any-return]
+
+
+def _reno() -> None:
+    """The calling thread's namespace's TCP: reno, loss-based (tbf's queue is deep: it backs off
+    never and fills the link). The host's default may be BBR, which every 10 s drains its
+    window to probe the path's RTT and paces by the bandwidth it measured: over a tbf link its
+    steps came out 5 to 15 % slower than their bytes at the rate, and uneven."""
+    TCP_CC.write_text("reno")
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -323,7 +362,7 @@ class ShapedNetwork:
     def _qdisc(self, dev: str, netns: str | None) -> None:
         where = ["-n", netns] if netns else []
         rate = self.cfg.rate
-        # a bucket of at least one MTU and 1 ms at the rate; packets wait at most 50 ms
+        # a bucket of at least one MTU and 1 ms at the rate; a queue TCP does not overflow
         burst = max(3200, int(rate_bits(rate) / 8 / 1000))
         delay = seconds(self.cfg.delay)
         if delay > 0:  # netem shapes too (its rate), and delays (untested here: no netem)
@@ -331,7 +370,7 @@ class ShapedNetwork:
                  f"{delay * 1e6:.0f}us", "rate", rate, "limit", "10000")
         else:
             _run("tc", *where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                 "burst", str(burst), "latency", "50ms")
+                 "burst", str(burst), "limit", str(QUEUE_BYTES))
 
     def _make(self) -> None:
         bridge = f"{self.tag}br"
@@ -350,6 +389,7 @@ class ShapedNetwork:
             _run("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", inner)
             _run("ip", "-n", netns, "link", "set", inner, "up")
             _run("ip", "-n", netns, "link", "set", "lo", "up")
+            inside(netns, _reno)
             self._qdisc(host, None)  # toward the rank: what it receives
             self._qdisc(inner, netns)  # from the rank: what it sends
             self.links.append(Link(netns, inner, address))
@@ -396,7 +436,8 @@ class ShapedNetwork:
         whole, sharded = counted("allreduce_bytes"), [
             a + b for a, b in zip(counted("reduce_scatter_bytes"), counted("all_gather_bytes"),
                                   strict=True)]
-        return {**asdict(self.cfg), "rate_bits_per_s": self.cfg.rate_bits,
+        probed = summary.pop("link_probe", None) or {}  # rank 0's hop_latency()
+        return {**asdict(self.cfg), "rate_bits_per_s": self.cfg.rate_bits, **probed,
                 "link_sent_bytes": sent, "link_received_bytes": received,
                 "engine_bytes": [a + b for a, b in zip(whole, sharded, strict=True)],
                 # what a ring sends of them: 2(p-1)/p of an all-reduce's bytes, (p-1)/p of a

@@ -7,8 +7,9 @@ From the run (summary.json): the optimizer steps, the micro-batches of a step (N
 rank and step the collectives the engine and policy issued (all-reduce calls and bytes: the
 gradient syncs, local SGD's / DiLoCo's averagings, in the wire's dtype; a sharded engine's
 reduce-scatters and all-gathers). The compute of one micro-batch is the run's training seconds
-less what its own link took by the same model (network=shaped: its rate; network=local: no
-link), per micro-batch. Then, per step on p ranks:
+less what its own link took by the same model (network=shaped: its rate, and as L the latency
+per hop the run measured as it began; network=local: no link), per micro-batch. Then, per step
+on p ranks:
 
     all-reduce of S bytes (ring):        2 (p-1)/p * S * F / B + 2 (p-1) L
     reduce-scatter or all-gather of S:     (p-1)/p * S * F / B +   (p-1) L
@@ -94,6 +95,7 @@ class RunFacts:
     world_size: int
     steps: int
     micro_per_step: float
+    micro_batch_size: int  # samples per micro-batch and rank
     allreduce_bytes: float  # per step
     allreduce_calls: float
     sharded_bytes: float  # reduce-scatter + all-gather, per step
@@ -139,13 +141,17 @@ def read_run(run_dir: Path) -> RunFacts:
     if not micro:
         micro = steps * (accum if isinstance(accum, int) else sum(accum) / len(accum))
     net = s.get("network") or {}
-    own = (LinkSpec(net["rate"], float(net["rate_bits_per_s"]), seconds(net.get("delay", "0")))
+    # its own link's latency per hop: what the run measured as it started (run/network.py
+    # hop_latency), else netem's delay on both ends of a hop
+    own = (LinkSpec(net["rate"], float(net["rate_bits_per_s"]),
+                    float(net.get("hop_latency_s", 2 * seconds(net.get("delay", "0")))))
            if net.get("name") == "shaped" else None)
     engine = s.get("engine")
     engine_name = engine.get("name", "?") if isinstance(engine, dict) else str(engine)
     return RunFacts(
         name=run_dir.name, policy=str(s.get("sync_policy")), engine=engine_name,
         world_size=int(s["world_size"]), steps=steps, micro_per_step=micro / steps,
+        micro_batch_size=int(s.get("micro_batch_size") or 1),
         allreduce_bytes=s["allreduce_bytes"][0] / steps,
         allreduce_calls=s["allreduce_calls"][0] / steps,
         sharded_bytes=(s.get("reduce_scatter_bytes", [0])[0]
@@ -221,7 +227,7 @@ def project(runs: Sequence[RunFacts], ranks: Sequence[int], links: Sequence[Link
                              "link": link.text, "ranks": p, "step_s": step,
                              "comm_share": comm / step if step > 0 else 0.0,
                              "samples_per_s": None if step <= 0 else
-                             p * run.micro_per_step / step,  # micro-batches/s (x batch size)
+                             p * run.micro_per_step * run.micro_batch_size / step,
                              "time_to_target_s": None if reached is None else reached * step,
                              "fastest": False})
             here = [r for r in rows if r["link"] == link.text and r["ranks"] == p]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -271,9 +272,12 @@ def _check_own_gpu(device: torch.device, timeout_s: int) -> None:
 
 
 def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
-                store_port: int | None, store_host: str = "127.0.0.1") -> dict[str, Any]:
+                store_port: int | None, store_host: str = "127.0.0.1",
+                probe: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Entry point of one rank (started by the launcher, or the torchrun process itself);
-    returns the run's summary."""
+    returns the run's summary. probe: a collective every rank runs once the group is up,
+    before training (network=shaped: the links' latency); its result (rank 0's) rides in the
+    summary as ``link_probe``."""
     # SIGTERM/SIGINT (and SLURM's SIGUSR1/2): finish the step, checkpoint, stop (faults.py)
     PROCESS_FLAG.install(watched_signals())
     run_path = Path(run_dir)
@@ -303,7 +307,11 @@ def worker_main(placement: Placement, cfg: RunConfig, run_dir: str,
     try:
         if device.type == "cuda" and world_size > 1:  # before nccl's first collective
             _check_own_gpu(device, tr.timeout_s)
-        return run_training(cfg, run_path, placement)
+        probed = probe() if probe is not None else None
+        summary = run_training(cfg, run_path, placement)
+        if probed is not None and summary:
+            summary["link_probe"] = probed
+        return summary
     except BaseException as e:  # torch's CheckpointException, say, is no Exception
         report_failure(e)  # to the launcher that spawned this rank (faults.py)
         log.exception("rank %d failed (traceback in logs/rank%d.log)", rank, rank)
