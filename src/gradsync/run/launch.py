@@ -50,8 +50,14 @@ from gradsync.run.faults import (
     report_to,
     signal_name,
 )
-from gradsync.run.network import (Link, NetworkConfig, ShapedNetwork, hop_latency, inside,
-                                  local_section)
+from gradsync.run.network import (
+    Link,
+    NetworkConfig,
+    ShapedNetwork,
+    hop_latency,
+    inside,
+    local_section,
+)
 from gradsync.run.placement import Placement, env_launched
 from gradsync.run.slurm import PREEMPT_SIGNALS, watched_signals
 from gradsync.run.worker import worker_main
