@@ -210,6 +210,36 @@ def test_a_rate_limits_what_a_sync_costs(tmp_path, cli_env):
     assert not traces(job.proc.pid)
 
 
+@needs_root
+@pytest.mark.slow
+def test_a_sweep_runs_each_engine_on_fresh_links(tmp_path, cli_env):
+    """One shaped sweep over gradsync's own engine and FSDP (its reduce-scatters and
+    all-gathers), one job after another: each job's links, made for it,
+    carry what a ring sends of that job's collectives (and not much more), each job measured
+    its own latency, and nothing of any job is left."""
+    sweep = tmp_path / "sweep"
+    job = Job(sweep, ["-m", f"hydra.sweep.dir={sweep}", "network=shaped", "network.rate=1gbit",
+                      "engine=gradsync,fsdp", "sync=always", *TINY], cli_env,
+              name_run_dir=False)
+    code, _, err = job.finish()
+    assert code == 0, err
+    assert not traces(job.proc.pid)
+    jobs = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in (0, 1)]
+    assert [s["engine"]["name"] for s in jobs] == ["gradsync", "fsdp"]
+    for s in jobs:
+        net = s["network"]
+        assert net["name"] == "shaped" and 1e-6 < net["hop_latency_s"] < 0.05
+        assert min(net["ring_bytes"]) > 1e4
+        for r in range(2):  # counted from this job's links' start: not the job before's
+            assert net["ring_bytes"][r] <= net["link_sent_bytes"][r] \
+                <= 1.2 * net["ring_bytes"][r] + 2e5
+    fsdp = jobs[1]  # 2 ranks: gloo's reduce-scatter all-reduces the buffer, sent once; a
+    # ring all-gather sends half of what it gathers
+    scatter, gather = fsdp["reduce_scatter_bytes"][0], fsdp["all_gather_bytes"][0]
+    assert scatter > 0 and gather > 0 and fsdp["allreduce_bytes"][0] == 0
+    assert fsdp["network"]["ring_bytes"][0] == round(scatter + gather / 2)
+
+
 # --- the projection -----------------------------------------------------------------------
 
 def _summary(tmp: Path, name: str, **over) -> Path:
@@ -257,8 +287,11 @@ def test_sharded_collectives_are_half_rings(tmp_path):
                                     reduce_scatter_calls=[10] * 2, all_gather_calls=[10] * 2))
     link = project.LinkSpec.parse("1gbit,1ms")
     p = 8
-    assert run.comm_s(p, link) == pytest.approx(7 / 8 * 6e6 * (1 + 99 / 1448) / 1.25e8
-                                                + 2 * 7 * 1e-3)
+    f = 1 + 99 / 1448
+    assert run.comm_s(p, link) == pytest.approx(7 / 8 * 6e6 * f / 1.25e8 + 2 * 7 * 1e-3)
+    # as gloo issues them (a shaped run's own link): the reduce-scatter is an all-reduce
+    assert run.comm_s(p, link, gloo=True) == pytest.approx(
+        (2 * 7 / 8 * 3e6 + 7 / 8 * 3e6) * f / 1.25e8 + (2 * 7 + 7) * 1e-3)
 
 
 def test_a_sweep_gets_a_row_per_job_and_the_fastest_marked(tmp_path, capsys):

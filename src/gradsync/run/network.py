@@ -433,17 +433,20 @@ class ShapedNetwork:
             value = summary.get(key)
             return value if isinstance(value, list) else [0] * p
 
-        whole, sharded = counted("allreduce_bytes"), [
-            a + b for a, b in zip(counted("reduce_scatter_bytes"), counted("all_gather_bytes"),
-                                  strict=True)]
+        # gloo's reduce-scatter is an all-reduce of the whole buffer, each rank then keeping
+        # its chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced): on these links it
+        # costs an all-reduce's bytes; its all-gather is a ring's
+        reduced = [a + b for a, b in zip(counted("allreduce_bytes"),
+                                         counted("reduce_scatter_bytes"), strict=True)]
+        gathered = counted("all_gather_bytes")
         probed = summary.pop("link_probe", None) or {}  # rank 0's hop_latency()
         return {**asdict(self.cfg), "rate_bits_per_s": self.cfg.rate_bits, **probed,
                 "link_sent_bytes": sent, "link_received_bytes": received,
-                "engine_bytes": [a + b for a, b in zip(whole, sharded, strict=True)],
-                # what a ring sends of them: 2(p-1)/p of an all-reduce's bytes, (p-1)/p of a
-                # reduce-scatter's or an all-gather's
+                "engine_bytes": [a + b for a, b in zip(reduced, gathered, strict=True)],
+                # what a ring sends of them: 2(p-1)/p of an all-reduce's bytes (and of gloo's
+                # reduce-scatter's), (p-1)/p of an all-gather's
                 "ring_bytes": [round(2 * (p - 1) / p * a + (p - 1) / p * b)
-                               for a, b in zip(whole, sharded, strict=True)],
+                               for a, b in zip(reduced, gathered, strict=True)],
                 "overhead": OVERHEAD}
 
 

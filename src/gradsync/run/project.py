@@ -13,6 +13,7 @@ on p ranks:
 
     all-reduce of S bytes (ring):        2 (p-1)/p * S * F / B + 2 (p-1) L
     reduce-scatter or all-gather of S:     (p-1)/p * S * F / B +   (p-1) L
+        (a shaped run's own link, gloo's: a reduce-scatter is an all-reduce of the buffer)
     F = 1 + 1.5 * 66/1448: TCP/IPv4/Ethernet headers per full segment (MTU 1500), and the
         ACKs of what the rank receives meanwhile (one per two segments)
     step = N * compute per micro-batch + the step's collectives, one after another
@@ -98,16 +99,23 @@ class RunFacts:
     micro_batch_size: int  # samples per micro-batch and rank
     allreduce_bytes: float  # per step
     allreduce_calls: float
-    sharded_bytes: float  # reduce-scatter + all-gather, per step
-    sharded_calls: float
+    reduce_scatter_bytes: float  # per step
+    reduce_scatter_calls: float
+    all_gather_bytes: float  # per step
+    all_gather_calls: float
     train_s: float
     own_link: LinkSpec | None  # network=shaped: the run's own link
     eval_losses: list[tuple[int, float]]  # (step, eval loss)
     overrides: list[str] = field(default_factory=list)  # its command line (.hydra/)
 
-    def comm_s(self, p: int, link: LinkSpec) -> float:
-        return (allreduce_s(self.allreduce_bytes, self.allreduce_calls, p, link)
-                + half_ring_s(self.sharded_bytes, self.sharded_calls, p, link))
+    def comm_s(self, p: int, link: LinkSpec, gloo: bool = False) -> float:
+        """The step's collectives on p ranks over `link`. gloo: as gloo issues them (the
+        shaped run's own link), whose reduce-scatter is an all-reduce of the whole buffer
+        (ProcessGroupGloo::reduce_scatter_tensor_coalesced); else as a ring (NCCL's)."""
+        scatter = (allreduce_s if gloo else half_ring_s)(self.reduce_scatter_bytes,
+                                                         self.reduce_scatter_calls, p, link)
+        return (allreduce_s(self.allreduce_bytes, self.allreduce_calls, p, link) + scatter
+                + half_ring_s(self.all_gather_bytes, self.all_gather_calls, p, link))
 
     @property
     def compute_per_micro_s(self) -> float:
@@ -115,7 +123,7 @@ class RunFacts:
         micro-batch."""
         step = self.train_s / self.steps
         if self.own_link is not None:
-            step -= self.comm_s(self.world_size, self.own_link)
+            step -= self.comm_s(self.world_size, self.own_link, gloo=True)
         return max(step, 0.0) / self.micro_per_step
 
     def step_s(self, p: int, link: LinkSpec) -> float:
@@ -154,10 +162,10 @@ def read_run(run_dir: Path) -> RunFacts:
         micro_batch_size=int(s.get("micro_batch_size") or 1),
         allreduce_bytes=s["allreduce_bytes"][0] / steps,
         allreduce_calls=s["allreduce_calls"][0] / steps,
-        sharded_bytes=(s.get("reduce_scatter_bytes", [0])[0]
-                       + s.get("all_gather_bytes", [0])[0]) / steps,
-        sharded_calls=(s.get("reduce_scatter_calls", [0])[0]
-                       + s.get("all_gather_calls", [0])[0]) / steps,
+        reduce_scatter_bytes=s.get("reduce_scatter_bytes", [0])[0] / steps,
+        reduce_scatter_calls=s.get("reduce_scatter_calls", [0])[0] / steps,
+        all_gather_bytes=s.get("all_gather_bytes", [0])[0] / steps,
+        all_gather_calls=s.get("all_gather_calls", [0])[0] / steps,
         train_s=float(s["train_s"]), own_link=own, eval_losses=_eval_losses(run_dir),
         overrides=_overrides(run_dir))
 
