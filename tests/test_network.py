@@ -240,6 +240,27 @@ def test_a_sweep_runs_each_engine_on_fresh_links(tmp_path, cli_env):
     assert fsdp["network"]["ring_bytes"][0] == round(scatter + gather / 2)
 
 
+@needs_root
+@pytest.mark.slow
+def test_hsdp_on_4_ranks_sends_each_collective_within_its_group(tmp_path, cli_env):
+    """HSDP, 2 replicas of 2 shards: reduce-scatters and all-gathers within a replica, the
+    all-reduce across the replicas, each a ring of 2 on the links."""
+    job = Job(tmp_path / "hsdp", ["network=shaped", "network.rate=1gbit", "engine=hsdp",
+                                  "engine.replicas=2", *TINY, "trainer.devices=4"], cli_env)
+    code, _, err = job.finish()
+    assert code == 0, err
+    assert not traces(job.proc.pid)
+    s = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
+    assert s["engine"]["mesh"] == {"replicate": 2, "shard": 2}
+    reduced, scatter, gather = (s[k][0] for k in ("allreduce_bytes", "reduce_scatter_bytes",
+                                                 "all_gather_bytes"))
+    assert min(reduced, scatter, gather) > 0
+    net = s["network"]
+    assert net["ring_bytes"] == [round(reduced + scatter + gather / 2)] * 4
+    for r in range(4):
+        assert net["ring_bytes"][r] <= net["link_sent_bytes"][r] <= 1.2 * net["ring_bytes"][r]
+
+
 # --- the projection -----------------------------------------------------------------------
 
 def _summary(tmp: Path, name: str, **over) -> Path:

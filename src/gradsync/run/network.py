@@ -433,20 +433,30 @@ class ShapedNetwork:
             value = summary.get(key)
             return value if isinstance(value, list) else [0] * p
 
+        # the groups they run in: a sharded engine's reduce-scatters and all-gathers within a
+        # replica (its mesh's shard ranks), HSDP's all-reduces across the replicas; else all
+        mesh = (summary.get("engine") or {}).get("mesh") or {}
+        shard, across = int(mesh.get("shard", p)), int(mesh.get("replicate", p))
+
+        def ring(nbytes: list[int], group: int, passes: int) -> list[float]:
+            return [passes * (group - 1) / group * n for n in nbytes]
+
         # gloo's reduce-scatter is an all-reduce of the whole buffer, each rank then keeping
         # its chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced): on these links it
         # costs an all-reduce's bytes; its all-gather is a ring's
-        reduced = [a + b for a, b in zip(counted("allreduce_bytes"),
-                                         counted("reduce_scatter_bytes"), strict=True)]
-        gathered = counted("all_gather_bytes")
+        parts = [ring(counted("allreduce_bytes"), across, 2),
+                 ring(counted("reduce_scatter_bytes"), shard, 2),
+                 ring(counted("all_gather_bytes"), shard, 1)]
+        engine = [a + b + c for a, b, c in zip(counted("allreduce_bytes"),
+                                               counted("reduce_scatter_bytes"),
+                                               counted("all_gather_bytes"), strict=True)]
         probed = summary.pop("link_probe", None) or {}  # rank 0's hop_latency()
         return {**asdict(self.cfg), "rate_bits_per_s": self.cfg.rate_bits, **probed,
                 "link_sent_bytes": sent, "link_received_bytes": received,
-                "engine_bytes": [a + b for a, b in zip(reduced, gathered, strict=True)],
-                # what a ring sends of them: 2(p-1)/p of an all-reduce's bytes (and of gloo's
-                # reduce-scatter's), (p-1)/p of an all-gather's
-                "ring_bytes": [round(2 * (p - 1) / p * a + (p - 1) / p * b)
-                               for a, b in zip(reduced, gathered, strict=True)],
+                "engine_bytes": engine,
+                # what a ring sends of them: 2(g-1)/g of an all-reduce's bytes (and of gloo's
+                # reduce-scatter's), (g-1)/g of an all-gather's, in a group of g ranks
+                "ring_bytes": [round(sum(r)) for r in zip(*parts, strict=True)],
                 "overhead": OVERHEAD}
 
 
