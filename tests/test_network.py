@@ -263,20 +263,40 @@ def test_hsdp_on_4_ranks_sends_each_collective_within_its_group(tmp_path, cli_en
 
 # --- the projection -----------------------------------------------------------------------
 
-def _summary(tmp: Path, name: str, **over) -> Path:
+def _summary(tmp: Path, name: str, overrides: tuple[str, ...] = ("sync=always",),
+             **over) -> Path:
+    """A finished job's dir as gradsync-train leaves it: summary.json and Hydra's record (its
+    number: the name's, if a number; its overrides). 10 steps of 4 micro-batches of 16 samples
+    on 2 ranks."""
     s = {"status": "completed", "optimizer_steps": 10, "windows": 10, "window_size": 4,
          "world_size": 2, "sync_policy": "always", "engine": {"name": "torch_ddp"},
          "allreduce_bytes": [10 * 4 * 1_000_000] * 2, "allreduce_calls": [10 * 4 * 2] * 2,
-         "train_s": 2.0, "micro_batch_size": 16, "network": {"name": "local"}} | over
+         "train_s": 2.0, "micro_batch_size": 16, "samples_seen": 10 * 128,
+         "network": {"name": "local"}} | over
     run = tmp / name
-    run.mkdir()
+    (run / ".hydra").mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps(s))
+    (run / ".hydra" / "hydra.yaml").write_text(json.dumps({"hydra": {
+        "job": {"num": int(name) if name.isdigit() else 0},
+        "overrides": {"task": list(overrides)}}}))
     return run
+
+
+def _evals(run: Path, *at: tuple[int, float]) -> None:
+    """evals.jsonl: (step, loss) at 128 samples a step."""
+    (run / "evals.jsonl").write_text("".join(json.dumps({"step": step, "samples": step * 128,
+                                                         "loss": loss}) + "\n"
+                                             for step, loss in at))
+
+
+def _read(run: Path) -> project.RunFacts:
+    [facts] = project.read_runs(run)
+    return facts
 
 
 def test_the_projection_is_the_ring_formulas(tmp_path):
     """always, N=4, 1 MB in 2 buckets per micro-batch, 2.0 s for 10 steps on a local run."""
-    run = project.read_run(_summary(tmp_path, "0"))
+    run = _read(_summary(tmp_path, "0"))
     link = project.LinkSpec.parse("10gbit,5us")
     assert (link.bits_per_s, link.latency_s) == (1e10, pytest.approx(5e-6))
     assert run.compute_per_micro_s == pytest.approx(0.2 / 4)
@@ -295,14 +315,14 @@ def test_a_shaped_runs_own_link_is_taken_out_of_its_compute(tmp_path):
                                                "rate_bits_per_s": 1e8, "delay": "0ms",
                                                "hop_latency_s": 2e-4},
                     train_s=5.0)
-    run = project.read_run(shaped)
+    run = _read(shaped)
     own = 2 * 1 / 2 * 4e6 * (1 + 99 / 1448) / 12.5e6 + 8 * 2 * 2e-4
     assert run.own_link is not None and run.own_link.latency_s == 2e-4
     assert run.compute_per_micro_s == pytest.approx((0.5 - own) / 4)
 
 
 def test_sharded_collectives_are_half_rings(tmp_path):
-    run = project.read_run(_summary(tmp_path, "f", allreduce_bytes=[0, 0], allreduce_calls=[0, 0],
+    run = _read(_summary(tmp_path, "f", allreduce_bytes=[0, 0], allreduce_calls=[0, 0],
                                     reduce_scatter_bytes=[10 * 3e6] * 2,
                                     all_gather_bytes=[10 * 3e6] * 2,
                                     reduce_scatter_calls=[10] * 2, all_gather_calls=[10] * 2))
@@ -317,16 +337,17 @@ def test_sharded_collectives_are_half_rings(tmp_path):
 
 def test_a_sweep_gets_a_row_per_job_and_the_fastest_marked(tmp_path, capsys):
     _summary(tmp_path, "0")
-    _summary(tmp_path, "1", sync_policy="accumulate", allreduce_bytes=[10 * 1_000_000] * 2,
-             allreduce_calls=[20] * 2)
+    _summary(tmp_path, "1", ("sync=accumulate",), sync_policy="accumulate",
+             allreduce_bytes=[10 * 1_000_000] * 2, allreduce_calls=[20] * 2)
     project.main([str(tmp_path), "--ranks", "2,64", "--link", "100mbit,50us"])
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "projection.json").read_text())["rows"]
-    assert [(r["run"], r["ranks"]) for r in rows] == [("0", 2), ("1", 2), ("0", 64), ("1", 64)]
+    a, b = "0 sync=always", "1 sync=accumulate"
+    assert [(r["run"], r["ranks"]) for r in rows] == [(a, 2), (b, 2), (a, 64), (b, 64)]
     # samples/s: p ranks x 4 micro-batches of 16 samples per projected step
     assert rows[2]["samples_per_s"] == pytest.approx(64 * 4 * 16 / rows[2]["step_s"])
-    assert all(r.get("fastest") == (r["run"] == "1") for r in rows)
-    assert "1 * | accumulate | 100mbit,50us | 64" in out
+    assert all(r.get("fastest") == (r["run"] == b) for r in rows)
+    assert f"{b} * | accumulate | 100mbit,50us | 64" in out
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -347,28 +368,30 @@ def test_projection_bad_input_is_one_line_exit_2(argv, expected, tmp_path, capsy
 
 
 def test_time_to_target_is_the_runs_steps_to_it_at_the_projected_step(tmp_path):
-    fast = _summary(tmp_path, "0")
-    (fast / "evals.jsonl").write_text("".join(json.dumps({"step": s, "loss": loss}) + "\n"
-                                              for s, loss in ((5, 2.0), (10, 1.0))))
-    slow = _summary(tmp_path, "1", sync_policy="accumulate", allreduce_bytes=[10 * 1e6] * 2,
-                    allreduce_calls=[20] * 2)
-    (slow / "evals.jsonl").write_text(json.dumps({"step": 10, "loss": 1.5}) + "\n")
-    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
+    """The steps to the target loss as the sweep summary reads them (the samples to it,
+    interpolated between evaluations), at the projected step."""
+    _evals(_summary(tmp_path, "0"), (5, 2.0), (10, 1.0))
+    _evals(_summary(tmp_path, "1", ("sync=accumulate",), sync_policy="accumulate",
+                    allreduce_bytes=[10 * 1e6] * 2, allreduce_calls=[20] * 2), (10, 1.5))
+    runs = project.read_runs(tmp_path)
     link = project.LinkSpec.parse("100mbit")
     rows = project.project(runs, [64], [link], target=1.5)
-    assert rows[0]["time_to_target_s"] == pytest.approx(10 * runs[0].step_s(64, link))
+    assert rows[0]["time_to_target_s"] == pytest.approx(7.5 * runs[0].step_s(64, link))
     assert rows[1]["time_to_target_s"] == pytest.approx(10 * runs[1].step_s(64, link))
-    assert [r["fastest"] for r in rows] == [False, True]  # the same steps, a cheaper step
+    assert [r["fastest"] for r in rows] == [False, True]  # fewer steps, a dearer step each
     assert project.project(runs, [64], [link], target=0.5)[0]["time_to_target_s"] is None
+    # a job killed as it wrote an evaluation: its torn last line is left out, the rest read
+    with open(tmp_path / "1" / "evals.jsonl", "a") as f:
+        f.write('{"step": 12, "samples": 1536, "lo')
+    assert project.read_runs(tmp_path)[1].steps_to(1.5) == 10
 
 
 def test_a_sweeps_jobs_are_named_by_what_sets_them_apart(tmp_path):
     for job, race in (("0", "always"), ("1", "local_sgd_h8")):
-        hydra = _summary(tmp_path, job) / ".hydra"
-        hydra.mkdir()
-        (hydra / "overrides.yaml").write_text(
-            f"- experiment=policy_race\n- +experiment/race={race}\n- network=shaped\n")
-    runs = [project.read_run(d) for d in project.run_dirs(tmp_path)]
-    project.label(runs)
+        _summary(tmp_path, job, ("experiment=policy_race", f"+experiment/race={race}",
+                                 "network=shaped"))
+    _summary(tmp_path, "2", ("experiment=policy_race", "+experiment/race=diloco_h16"),
+             status="failed")  # no row: nothing to project
+    runs = project.read_runs(tmp_path)
     assert [r.name for r in runs] == ["0 +experiment/race=always",
                                       "1 +experiment/race=local_sgd_h8"]

@@ -125,7 +125,7 @@ def test_a_job_of_an_older_sweep_reads_with_its_window_size(tmp_path):
         {"status": "completed", "world_size": 2, "micro_batch_size": 8, "accum_steps": 4}))
     (job / "metrics.jsonl").write_text(json.dumps(
         {"samples": 64, "loss": 1.5, "noise_scale": 12.0, "accum_steps": 4}) + "\n")
-    read = sweep._read_job(job)
+    read = sweep.read_job(job)
     assert read.summary["window_size"] == 4 and "accum_steps" not in read.summary
     assert sweep._global_batch(read.summary) == 64
     assert read.noise == [(64, 12.0, 4)]

@@ -18,7 +18,9 @@ on p ranks:
         ACKs of what the rank receives meanwhile (one per two segments)
     step = N * compute per micro-batch + the step's collectives, one after another
 
-A sweep dir (one subdir per job, each with its summary.json) gives one row per job; the fastest
+A sweep dir gives one row per completed job (read as the sweep summary reads them,
+run/sweep.py: Hydra's records, the evaluations; the steps to a target loss from the samples to
+it, interpolated between evaluations, as the sweep summary's to-target columns); the fastest
 job at each scale is marked. The table goes to stdout, everything to JSON
 (<run or sweep dir>/projection.json, or --out).
 """
@@ -30,13 +32,15 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gradsync.run.network import HEADER_BYTES, SEGMENT_BYTES, rate_bits, seconds
+from gradsync.run.sweep import Job, Point, job_label, read_job, read_jobs, swept_keys, to_target
 
 SUMMARY = "summary.json"
+HYDRA_RECORD = ".hydra/hydra.yaml"  # the job's number and overrides (run/sweep.py reads them)
 # what a rank's link carries per byte of the engine's: TCP/IPv4 over Ethernet, 66 B of headers
 # per segment of 1448 B (MTU 1500), and the ACKs (66 B per two segments, delayed ACKs) of what
 # it receives meanwhile (a ring's every rank sends and receives at once); the rendezvous and the
@@ -105,8 +109,8 @@ class RunFacts:
     all_gather_calls: float
     train_s: float
     own_link: LinkSpec | None  # network=shaped: the run's own link
-    eval_losses: list[tuple[int, float]]  # (step, eval loss)
-    overrides: list[str] = field(default_factory=list)  # its command line (.hydra/)
+    evals: list[Point]  # where each evaluation's loss was measured (run/sweep.py)
+    samples_per_step: float  # samples a step takes, all ranks
 
     def comm_s(self, p: int, link: LinkSpec, gloo: bool = False) -> float:
         """The step's collectives on p ranks over `link`. gloo: as gloo issues them (the
@@ -129,24 +133,47 @@ class RunFacts:
     def step_s(self, p: int, link: LinkSpec) -> float:
         return self.micro_per_step * self.compute_per_micro_s + self.comm_s(p, link)
 
-    def steps_to(self, target: float) -> int | None:
-        return next((step for step, loss in self.eval_losses if loss <= target), None)
+    def steps_to(self, target: float) -> float | None:
+        """Optimizer steps to an eval loss, interpolated between evaluations as the sweep
+        summary's to-target columns are (a run whose evaluations did not record their step:
+        the samples to it over the samples of a step)."""
+        reached = to_target(self.evals, target)
+        if reached is None:
+            return None
+        return reached["step"] if math.isfinite(reached["step"]) else \
+            reached["samples"] / self.samples_per_step
 
 
-def read_run(run_dir: Path) -> RunFacts:
-    path = run_dir / SUMMARY
-    try:
-        s = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ProjectError(f"{path}: no finished run's summary ({type(e).__name__})") from None
+def read_runs(path: Path) -> list[RunFacts]:
+    """A run dir's run, or a sweep dir's completed jobs (run/sweep.py reads both), named: a run
+    by its dir, a sweep's jobs by their number and what sets them apart (their overrides that
+    not every job shares)."""
+    if (path / SUMMARY).exists():
+        if not (path / HYDRA_RECORD).is_file():
+            raise ProjectError(f"{path}: a run dir without {HYDRA_RECORD} (gradsync-train "
+                               "writes it beside summary.json)")
+        jobs = [read_job(path)]
+    else:
+        jobs = [j for j in read_jobs(path) if j.completed] if path.is_dir() else []
+    if not jobs:
+        raise ProjectError(f"{path}: neither a run dir nor a sweep dir with a completed job "
+                           f"(no {SUMMARY})")
+    keys = swept_keys(jobs) if len(jobs) > 1 else []
+    return [run_facts(j, path.name if len(jobs) == 1 and j.dir == path
+                      else f"{j.num} {job_label(j, keys)}" if keys else str(j.num))
+            for j in jobs]
+
+
+def run_facts(job: Job, name: str) -> RunFacts:
+    s, path = job.summary, job.dir / SUMMARY
     if s.get("status", "completed") != "completed" or not s.get("optimizer_steps"):
         raise ProjectError(f"{path}: not a completed run with optimizer steps (status "
                            f"{s.get('status')!r})")
     steps = int(s["optimizer_steps"])
-    micro = sum(int(n) for n in s["windows"].values()) if isinstance(s.get("windows"), dict) \
-        else None
-    accum = s.get("window_size")
-    if not micro:
+    windows = s.get("windows")
+    micro: float = sum(int(n) for n in windows.values()) if isinstance(windows, dict) else 0
+    if not micro:  # the window size (a list: an adaptive schedule's, each window's)
+        accum: Any = s.get("window_size")
         micro = steps * (accum if isinstance(accum, int) else sum(accum) / len(accum))
     net = s.get("network") or {}
     # its own link's latency per hop: what the run measured as it started (run/network.py
@@ -156,69 +183,18 @@ def read_run(run_dir: Path) -> RunFacts:
            if net.get("name") == "shaped" else None)
     engine = s.get("engine")
     engine_name = engine.get("name", "?") if isinstance(engine, dict) else str(engine)
+    world, batch = int(s["world_size"]), int(s.get("micro_batch_size") or 1)
     return RunFacts(
-        name=run_dir.name, policy=str(s.get("sync_policy")), engine=engine_name,
-        world_size=int(s["world_size"]), steps=steps, micro_per_step=micro / steps,
-        micro_batch_size=int(s.get("micro_batch_size") or 1),
+        name=name, policy=str(s.get("sync_policy")), engine=engine_name,
+        world_size=world, steps=steps, micro_per_step=micro / steps, micro_batch_size=batch,
         allreduce_bytes=s["allreduce_bytes"][0] / steps,
         allreduce_calls=s["allreduce_calls"][0] / steps,
         reduce_scatter_bytes=s.get("reduce_scatter_bytes", [0])[0] / steps,
         reduce_scatter_calls=s.get("reduce_scatter_calls", [0])[0] / steps,
         all_gather_bytes=s.get("all_gather_bytes", [0])[0] / steps,
         all_gather_calls=s.get("all_gather_calls", [0])[0] / steps,
-        train_s=float(s["train_s"]), own_link=own, eval_losses=_eval_losses(run_dir),
-        overrides=_overrides(run_dir))
-
-
-def _overrides(run_dir: Path) -> list[str]:
-    """The job's command-line overrides (Hydra's .hydra/overrides.yaml), if it kept them."""
-    import yaml
-
-    try:
-        got = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return []
-    return [str(o) for o in got] if isinstance(got, list) else []
-
-
-def label(runs: Sequence[RunFacts]) -> None:
-    """A sweep's jobs named by what sets them apart: each job's overrides that not every job
-    shares (``0 +experiment/race=always``)."""
-    if len(runs) < 2:
-        return
-    common = set.intersection(*(set(r.overrides) for r in runs))
-    for run in runs:
-        own = [o for o in run.overrides if o not in common]
-        if own:
-            run.name = f"{run.name} {' '.join(own)}"
-
-
-def _eval_losses(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, eval loss) of every evaluation (evals.jsonl)."""
-    rows = []
-    path = run_dir / "evals.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            loss = row.get("loss")
-            if isinstance(loss, (int, float)) and math.isfinite(loss) and "step" in row:
-                rows.append((int(row["step"]), float(loss)))
-    return rows
-
-
-def run_dirs(path: Path) -> list[Path]:
-    """A run dir, or a sweep dir's job dirs (in their number's order)."""
-    if (path / SUMMARY).exists():
-        return [path]
-    jobs = [d for d in path.iterdir() if d.is_dir() and (d / SUMMARY).exists()] \
-        if path.is_dir() else []
-    if not jobs:
-        raise ProjectError(f"{path}: neither a run dir nor a sweep dir (no {SUMMARY})")
-    return sorted(jobs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit()
-                                       else 0, d.name))
+        train_s=float(s["train_s"]), own_link=own, evals=job.evals,
+        samples_per_step=float(s.get("samples_seen") or world * micro * batch) / steps)
 
 
 def project(runs: Sequence[RunFacts], ranks: Sequence[int], links: Sequence[LinkSpec],
@@ -283,8 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not ranks or min(ranks) < 1:
             raise ProjectError(f"--ranks {args.ranks!r}: each at least 1")
         links = [LinkSpec.parse(t) for t in (args.link or ["10gbit,5us"])]
-        runs = [read_run(d) for d in run_dirs(args.run_dir)]
-        label(runs)
+        runs = read_runs(args.run_dir)
     except ProjectError as e:
         print(f"gradsync-project: {e}", file=sys.stderr)
         sys.exit(2)

@@ -73,6 +73,7 @@ class Point:
     bytes: float
     seconds: float
     loss: float
+    step: float = math.nan  # the optimizer step it was measured after
 
 
 def _points(rows: list[dict[str, Any]], loss_key: str) -> list[Point]:
@@ -80,11 +81,21 @@ def _points(rows: list[dict[str, Any]], loss_key: str) -> list[Point]:
     before they were recorded: its all-reduce bytes)."""
     nan = math.nan
     return [Point(r["samples"], r.get("sent_bytes", r.get("allreduce_bytes", nan)),
-                  r.get("train_s", nan), r[loss_key]) for r in rows if loss_key in r]
+                  r.get("train_s", nan), r[loss_key], r.get("step", nan))
+            for r in rows if loss_key in r]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """A job's JSON lines; a last line torn by a job killed as it wrote it is left out."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+    return rows
 
 
 @dataclass
@@ -114,8 +125,9 @@ def _window_size_named(record: dict[str, Any]) -> dict[str, Any]:
     return {("window_size" if k == OLD_WINDOW_KEY else k): v for k, v in record.items()}
 
 
-def _read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
-    """A job's row from its dir; summary: its summary.json when the caller has read it."""
+def read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
+    """A job's row from its dir (a sweep's job, or a run's dir); summary: its summary.json when
+    the caller has read it."""
     hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
     overrides = {k: v for k, _, v in (o.partition("=") for o in hydra_cfg["overrides"]["task"])}
     if summary is None:
@@ -326,7 +338,7 @@ def _from_record(sweep_dir: Path, record: dict[str, Any]) -> Job:
         written = None
     if (job_dir / ".hydra" / "hydra.yaml").is_file() and isinstance(written, dict) and \
             {k: written.get(k) for k in outcome} == outcome:
-        return _read_job(job_dir, written)
+        return read_job(job_dir, written)
     overrides = {k: v for k, _, v in (o.partition("=") for o in record["overrides"])}
     return Job(int(record["num"]), job_dir, overrides, outcome, [])
 
@@ -339,7 +351,7 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     if records:
         return sorted((_from_record(sweep_dir, r) for r in records), key=lambda j: j.num)
     dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/hydra.yaml")}
-    return sorted((_read_job(d) for d in dirs), key=lambda j: j.num)
+    return sorted((read_job(d) for d in dirs), key=lambda j: j.num)
 
 
 def swept_keys(jobs: list[Job]) -> list[str]:
@@ -368,20 +380,20 @@ def evaluated_often(jobs: list[Job]) -> bool:
 
 
 def to_target(points: list[Point], target: float) -> dict[str, float] | None:
-    """Samples, bytes and seconds at which the loss first reached target (<=): linearly
-    interpolated between the last point above it and the first at or below it (the first point
-    itself when that already is). None: never reached."""
+    """Samples, bytes, seconds (and optimizer steps) at which the loss first reached target
+    (<=): linearly interpolated between the last point above it and the first at or below it
+    (the first point itself when that already is). None: never reached."""
     before = None
     for point in points:
         if not math.isfinite(point.loss):
             continue
         if point.loss <= target:
             if before is None:
-                return {axis: getattr(point, axis) for axis in AXES}
+                return {axis: getattr(point, axis) for axis in (*AXES, "step")}
             f = (before.loss - target) / (before.loss - point.loss)
             return {axis: getattr(before, axis) + f * (getattr(point, axis)
                                                        - getattr(before, axis))
-                    for axis in AXES}
+                    for axis in (*AXES, "step")}
         before = point
     return None
 
@@ -641,7 +653,7 @@ def _shown(columns: list[str], rows: list[dict[str, Any]], swept: list[str], sam
     return fixed + [c for c in COMPACT if c in kept] + (["error"] if failed else [])
 
 
-def _label(job: Job, keys: list[str]) -> str:
+def job_label(job: Job, keys: list[str]) -> str:
     """A job's name on a plot: its values of the swept keys."""
     return " ".join(f"{k}={job.overrides.get(k, '')}" for k in keys) or f"job {job.num}"
 
@@ -660,7 +672,7 @@ def plot(jobs: list[Job], path: Path, target: float | None = None):
     keys = swept_keys(jobs)
 
     def label(job: Job) -> str:
-        text = _label(job, keys)
+        text = job_label(job, keys)
         return text if job.completed else f"{text} (failed)"
 
     fig, axes = plt.subplots(1, len(AXES), figsize=(16, 4.8))
@@ -781,7 +793,7 @@ def plot_noise(jobs: list[Job], path: Path):
         samples = [x for x, _, _ in job.noise]
         color = colors[i % len(colors)]
         ax_b.plot(samples, [b for _, b, _ in job.noise], color=color, linewidth=1.2,
-                  label=_label(job, keys))
+                  label=job_label(job, keys))
         ax_n.step(samples, [n for _, _, n in job.noise], where="post", color=color,
                   linewidth=1.2)
     ax_b.set(xlabel="samples seen", ylabel="B_simple (the loss's unit)", yscale="log",
