@@ -60,7 +60,7 @@ optimizer = torch.optim.AdamW([
 ], lr=learning_rate, betas=(beta1, beta2))
 policy = gradsync.AccumulateSync()  # sync the last micro-batch of each window
 model = gradsync.engine(model, policy)  # torch's DDP, driven by the policy
-normalizer = gradsync.normalizer(policy, "tokens", data.tokens_per_sample)  # exact mean
+normalizer = gradsync.normalizer(policy, "tokens", data.tokens_per_sample, data.uniform_length)
 windows = gradsync.windows(loader, 0, gradient_accumulation_steps)  # epoch 0's windows
 for iter_num, window in zip(range(max_iters), windows, strict=False):
     lr = get_lr(iter_num)

@@ -235,13 +235,17 @@ def build_normalizer(name: str, unit: str, world_size: int, device: torch.device
 
 
 def normalizer(policy: Any = None, unit: str = "samples", tokens_per_sample: float = 1.0,
-               by: str = "auto", device: torch.device | None = None) -> Normalizer:
+               uniform: bool = False, by: str = "auto",
+               device: torch.device | None = None) -> Normalizer:
     """What each micro-batch's loss is divided by, in a process group already initialised
     (torchrun's), for one's own loop (docs/own-loop.md): `by` (auto: the data's `unit`,
     samples or tokens) over every rank, a rank's own count on the local steps of `policy`'s
-    averager (local SGD)."""
+    averager (local SGD). uniform: every sequence holds exactly tokens_per_sample loss tokens
+    (the data's ``uniform_length``: windows of packed text), so a window's token count is known
+    without the all-reduce that counts it (the same bits either way)."""
     averager = getattr(policy, "averager", None)
     up = dist.is_available() and dist.is_initialized()
     return build_normalizer(by, unit, dist.get_world_size() if up else 1,
                             device or torch.device("cpu"), tokens_per_sample,
-                            averager.local_step if averager is not None else shared_steps)
+                            averager.local_step if averager is not None else shared_steps,
+                            uniform)
