@@ -57,7 +57,7 @@ def run(accum: int, sync: str = "accumulate", overrides: tuple[str, ...] = (),
         state = Progress()
         p.trainer.max_steps = w.WARMUP_MICRO // accum  # warm-up: the start of epoch 0
         train(p, state, log)
-        state.epoch, state.epoch_step, state.epoch_micro = 1, 0, 0  # then all of epoch 1, timed
+        state.epoch, state.epoch_windows, state.epoch_micro = 1, 0, 0  # then all of epoch 1, timed
         p.trainer.max_steps, p.trainer.max_epochs = -1, 2
         c = p.counts
         calls, nbytes, steps = c.allreduce_calls, c.allreduce_bytes, state.step

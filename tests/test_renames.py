@@ -92,9 +92,10 @@ def test_a_checkpoint_written_under_the_old_names_resumes_unless_a_value_changed
 @pytest.mark.dist
 def test_a_checkpoint_written_under_the_old_names_resumes_bitwise(references, pool2, tmp_path,
                                                                    cli_env):
-    """The reference's checkpoint of step 6 (mid-epoch), its config rewritten as gradsync
-    recorded it before the renames, resumed on the pool: every later window's loss and the
-    final parameters, bit for bit those of the uninterrupted run."""
+    """The reference's checkpoint of step 6 (mid-epoch), its config and its progress rewritten
+    as gradsync recorded them before the renames (schedule.accum_steps, ...; the windows of the
+    epoch done as epoch_step), resumed on the pool: every later window's loss and the final
+    parameters, bit for bit those of the uninterrupted run."""
     from resume_harness import Case, Ctx, Start, check
     from test_resume import EXACT_RUNS
 
@@ -102,8 +103,12 @@ def test_a_checkpoint_written_under_the_old_names_resumes_bitwise(references, po
         state = checkpoint.load(ctx.ref.checkpoint(6))
         state["config"] = recorded_before_the_renames(state["config"])
         state["config_hash"] = config_hash(state["config"])
+        progress = state["progress"]
+        assert progress["epoch_windows"] > 0  # mid-epoch: where it resumes depends on it
+        progress["epoch_step"] = progress.pop("epoch_windows")
         path = checkpoint.write(state, ctx.tmp / "old", 1)
         assert path is not None and "accum_steps" in checkpoint.load(path)["config"]["schedule"]
+        assert "epoch_windows" not in checkpoint.load(path)["progress"]
         return Start(ctx.tmp, path, resume=str(path), rows_kept=False)
 
     check(Case("written under the old names", EXACT_RUNS["fp32"], old_checkpoint), references,

@@ -78,6 +78,20 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# Progress's fields renamed since checkpoints were written (old -> new name), as the config's
+# keys were (config/renames.py): an older checkpoint's progress reads under today's names
+PROGRESS_RENAMED = {"epoch_step": "epoch_windows"}
+
+
+def progress_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's (or its sidecar's) progress under today's names."""
+    progress = dict(meta["progress"])
+    for old, new in PROGRESS_RENAMED.items():
+        if old in progress:
+            progress.setdefault(new, progress.pop(old))
+    return progress
+
+
 SHARDED_SUFFIX = ".dcp"  # a sharded checkpoint: a directory
 
 
@@ -283,7 +297,7 @@ def epoch_position(progress: dict[str, Any], old_cfg: dict[str, Any], old_world:
     from gradsync.config.schema import RunConfig
     from gradsync.train.schedules import build_schedule
 
-    epoch, done = progress["epoch"], progress["epoch_step"]
+    epoch, done = progress["epoch"], progress["epoch_windows"]
     old = RunConfig.from_plain(old_cfg)
     micro = old.micro_batch_size
     old_window = build_schedule(old.schedule, old_world).window_size(epoch)
@@ -302,11 +316,11 @@ def refuse_misaligned(path: Path, meta: dict[str, Any], cfg: dict[str, Any],
     from gradsync.train.schedules import build_schedule
 
     run = RunConfig.from_plain(cfg)
-    window = build_schedule(run.schedule, world_size).window_size(meta["progress"]["epoch"])
-    if epoch_position(meta["progress"], meta["config"], meta["world_size"], window,
-                      world_size) is None:
-        p = meta["progress"]
-        raise ResumeError(f"{path} stopped after window {p['epoch_step']} of epoch {p['epoch']} "
+    p = progress_of(meta)
+    window = build_schedule(run.schedule, world_size).window_size(p["epoch"])
+    if epoch_position(p, meta["config"], meta["world_size"], window, world_size) is None:
+        raise ResumeError(f"{path} stopped after window {p['epoch_windows']} of epoch "
+                          f"{p['epoch']} "
                           f"on {meta['world_size']} ranks, which is not a window boundary on "
                           f"{world_size} ranks; resume from a checkpoint at an epoch's start, or "
                           "keep the global batch (schedule=global_batch)")

@@ -141,7 +141,7 @@ class Progress:
     train_s: float = 0.0  # loop time without evaluation
     last_loss: float = float("nan")
     last_eval: dict[str, float] = field(default_factory=dict)
-    epoch_step: int = 0  # windows of the current epoch done
+    epoch_windows: int = 0  # windows of the current epoch done
     epoch_micro: int = 0  # micro-batches of the current epoch done: where a resumed epoch starts
 
     @property
@@ -154,7 +154,7 @@ class Progress:
         self.step += stepped
         self.samples_seen += window.global_real
         self.epoch += window.ends_epoch  # counts completed epochs
-        self.epoch_step = 0 if window.ends_epoch else self.epoch_step + 1
+        self.epoch_windows = 0 if window.ends_epoch else self.epoch_windows + 1
         self.epoch_micro = 0 if window.ends_epoch else window.stop
 
     def finished(self, tr: TrainerConfig) -> bool:

@@ -120,11 +120,11 @@ def load(p: Parts, path: Path, rank: int, group: Any) -> Progress:
     state = trainstate.restore(p, rest, rank, skip=SHARDED)
     if rest["world_size"] != p.world_size:  # where the same samples end at this world size
         window = p.schedule.window_size(state.epoch)
-        found = checkpoint.epoch_position(rest["progress"], rest["config"], rest["world_size"],
-                                          window, p.world_size)
+        found = checkpoint.epoch_position(checkpoint.progress_of(rest), rest["config"],
+                                          rest["world_size"], window, p.world_size)
         assert found is not None, "refused before the ranks started (refuse_misaligned)"
-        state.epoch, state.epoch_step = found
-        state.epoch_micro = state.epoch_step * window  # full windows before this point
+        state.epoch, state.epoch_windows = found
+        state.epoch_micro = state.epoch_windows * window  # full windows before this point
     return state
 
 

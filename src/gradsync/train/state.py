@@ -28,6 +28,7 @@ import torch.distributed as dist
 from gradsync.core.ranks import is_rank0
 from gradsync.core.seeds import derive_seed, seed_rank
 from gradsync.train import lr_schedulers
+from gradsync.train.checkpoint import progress_of
 from gradsync.train.loop import Parts, Progress
 from gradsync.train.repro import config_hash
 
@@ -166,7 +167,7 @@ def restore(p: Parts, ckpt: dict[str, Any], rank: int,
         if not (replan and name == "lr_scheduler"):
             obj.load_state_dict(ckpt[name])
     known = {f.name for f in fields(Progress)}
-    state = Progress(**{k: v for k, v in ckpt["progress"].items() if k in known})
+    state = Progress(**{k: v for k, v in progress_of(ckpt).items() if k in known})
     if ckpt["world_size"] != p.world_size:
         if replan:
             _replan(p, ckpt, ckpt["lr_scheduler"], fresh_lrs, state)
