@@ -57,6 +57,22 @@ MOVED: dict[str, str] = {old: new.split(" ", 1)[0] for old, new in RENAMED.items
                          if _KEY.fullmatch(new.split(" ", 1)[0])}
 
 
+# a field of the files a run writes (summary.json, metrics rows, a checkpoint's progress) renamed
+# since (old -> new): a file written before reads under today's names
+RECORD_RENAMED: dict[str, str] = {"accum_steps": "window_size", "epoch_step": "epoch_windows"}
+
+
+def renamed_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record (a summary, a metrics row, a checkpoint's progress) with each old field under
+    its new name, where the new one is not there already: a copy in the same order; the record
+    itself when it holds no old field."""
+    moved = {old: new for old, new in RECORD_RENAMED.items()
+             if old in record and new not in record}
+    if not moved:
+        return record
+    return {moved.get(k, k): v for k, v in record.items()}
+
+
 def renamed(key: str) -> str | None:
     """The message for an old key (``+``/``++``/``~`` prefixes ignored), or None."""
     key = key.lstrip("+~")

@@ -53,6 +53,7 @@ from typing import Any
 import yaml
 
 from gradsync.components import ConfigError, require_extra
+from gradsync.config.renames import renamed_record
 from gradsync.core import numerics
 from gradsync.core.files import write_json_atomic
 from gradsync.core.progress import progress
@@ -114,17 +115,6 @@ class Job:
         return self.summary.get("status") == "completed"
 
 
-OLD_WINDOW_KEY = "accum_steps"  # old name: window_size in a job's files written before
-# the glossary's rename (config/renames.py): an older sweep's jobs still read
-
-
-def _window_size_named(record: dict[str, Any]) -> dict[str, Any]:
-    """A summary or metrics row with its window size under today's name."""
-    if OLD_WINDOW_KEY not in record or "window_size" in record:
-        return record
-    return {("window_size" if k == OLD_WINDOW_KEY else k): v for k, v in record.items()}
-
-
 def read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
     """A job's row from its dir (a sweep's job, or a run's dir); summary: its summary.json when
     the caller has read it."""
@@ -134,8 +124,9 @@ def read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
         summary_path = job_dir / "summary.json"
         summary = (json.loads(summary_path.read_text()) if summary_path.exists() else
                    {"status": "failed", "error": "no summary.json: the job did not finish"})
-    summary = _window_size_named(summary)
-    rows = [_window_size_named(r) for r in _rows(job_dir / "metrics.jsonl")]
+    # an older sweep's jobs wrote accum_steps: read under today's names
+    summary = renamed_record(summary)
+    rows = [renamed_record(r) for r in _rows(job_dir / "metrics.jsonl")]
     return Job(int(hydra_cfg["job"]["num"]), job_dir, overrides, summary,
                _points(rows, "loss"), _points(_rows(job_dir / "evals.jsonl"), "loss"),
                [(r["samples"], math.nan if r["noise_scale"] is None else r["noise_scale"],

@@ -22,7 +22,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from gradsync.config.renames import upgrade_renamed_keys
+from gradsync.config.renames import renamed_record, upgrade_renamed_keys
 from gradsync.core.files import flatten, replacing, write_json_atomic
 from gradsync.train import dcp_safe
 from gradsync.train.repro import config_hash
@@ -78,18 +78,10 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# Progress's fields renamed since checkpoints were written (old -> new name), as the config's
-# keys were (config/renames.py): an older checkpoint's progress reads under today's names
-PROGRESS_RENAMED = {"epoch_step": "epoch_windows"}
-
-
 def progress_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's (or its sidecar's) progress under today's names."""
-    progress = dict(meta["progress"])
-    for old, new in PROGRESS_RENAMED.items():
-        if old in progress:
-            progress.setdefault(new, progress.pop(old))
-    return progress
+    """A checkpoint's (or its sidecar's) progress under today's names (config/renames.py
+    RECORD_RENAMED: an older checkpoint's epoch_step is epoch_windows)."""
+    return renamed_record(meta["progress"])
 
 
 SHARDED_SUFFIX = ".dcp"  # a sharded checkpoint: a directory
