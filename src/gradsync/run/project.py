@@ -37,10 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.run.network import HEADER_BYTES, SEGMENT_BYTES, rate_bits, seconds
-from gradsync.run.sweep import Job, Point, job_label, read_job, read_jobs, swept_keys, to_target
+from gradsync.run.sweep import (
+    HYDRA_RECORD,
+    Job,
+    Point,
+    job_label,
+    read_job,
+    read_jobs,
+    swept_keys,
+    to_target,
+)
 
 SUMMARY = "summary.json"
-HYDRA_RECORD = ".hydra/hydra.yaml"  # the job's number and overrides (run/sweep.py reads them)
 # what a rank's link carries per byte of the engine's: TCP/IPv4 over Ethernet, 66 B of headers
 # per segment of 1448 B (MTU 1500), and the ACKs (66 B per two segments, delayed ACKs) of what
 # it receives meanwhile (a ring's every rank sends and receives at once); the rendezvous and the
@@ -152,15 +160,13 @@ def read_runs(path: Path) -> list[RunFacts]:
         if not (path / HYDRA_RECORD).is_file():
             raise ProjectError(f"{path}: a run dir without {HYDRA_RECORD} (gradsync-train "
                                "writes it beside summary.json)")
-        jobs = [read_job(path)]
-    else:
-        jobs = [j for j in read_jobs(path) if j.completed] if path.is_dir() else []
+        return [run_facts(read_job(path), path.name)]
+    jobs = [j for j in read_jobs(path) if j.completed] if path.is_dir() else []
     if not jobs:
         raise ProjectError(f"{path}: neither a run dir nor a sweep dir with a completed job "
                            f"(no {SUMMARY})")
     keys = swept_keys(jobs) if len(jobs) > 1 else []
-    return [run_facts(j, path.name if len(jobs) == 1 and j.dir == path
-                      else f"{j.num} {job_label(j, keys)}" if keys else str(j.num))
+    return [run_facts(j, f"{j.num} {job_label(j, keys)}" if keys else str(j.num))
             for j in jobs]
 
 

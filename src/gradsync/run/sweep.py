@@ -64,6 +64,7 @@ from gradsync.train.metrics import final_metrics
 AXES = {"samples": "samples seen",
         "bytes": "bytes sent (rank 0: all-reduce + reduce-scatter + all-gather)",
         "seconds": "training seconds"}
+TO_TARGET = (*AXES, "step")  # what to_target reads off where a loss reached its target
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,13 @@ class Job:
         return self.summary.get("status") == "completed"
 
 
+HYDRA_RECORD = Path(".hydra") / "hydra.yaml"  # in a job's dir: its number and overrides
+
+
 def read_job(job_dir: Path, summary: dict[str, Any] | None = None) -> Job:
     """A job's row from its dir (a sweep's job, or a run's dir); summary: its summary.json when
     the caller has read it."""
-    hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    hydra_cfg = yaml.safe_load((job_dir / HYDRA_RECORD).read_text())["hydra"]
     overrides = {k: v for k, _, v in (o.partition("=") for o in hydra_cfg["overrides"]["task"])}
     if summary is None:
         summary_path = job_dir / "summary.json"
@@ -327,7 +331,7 @@ def _from_record(sweep_dir: Path, record: dict[str, Any]) -> Job:
         written = json.loads(summary_path.read_text())
     except (OSError, ValueError):
         written = None
-    if (job_dir / ".hydra" / "hydra.yaml").is_file() and isinstance(written, dict) and \
+    if (job_dir / HYDRA_RECORD).is_file() and isinstance(written, dict) and \
             {k: written.get(k) for k in outcome} == outcome:
         return read_job(job_dir, written)
     overrides = {k: v for k, _, v in (o.partition("=") for o in record["overrides"])}
@@ -341,7 +345,7 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     records = _records(sweep_dir)
     if records:
         return sorted((_from_record(sweep_dir, r) for r in records), key=lambda j: j.num)
-    dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/hydra.yaml")}
+    dirs = {p.parent.parent for p in sweep_dir.glob(f"**/{HYDRA_RECORD}")}
     return sorted((read_job(d) for d in dirs), key=lambda j: j.num)
 
 
@@ -380,11 +384,11 @@ def to_target(points: list[Point], target: float) -> dict[str, float] | None:
             continue
         if point.loss <= target:
             if before is None:
-                return {axis: getattr(point, axis) for axis in (*AXES, "step")}
+                return {axis: getattr(point, axis) for axis in TO_TARGET}
             f = (before.loss - target) / (before.loss - point.loss)
             return {axis: getattr(before, axis) + f * (getattr(point, axis)
                                                        - getattr(before, axis))
-                    for axis in (*AXES, "step")}
+                    for axis in TO_TARGET}
         before = point
     return None
 
